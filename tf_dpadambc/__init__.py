@@ -1,0 +1,37 @@
+"""tf_dpadambc: differentially private Adam and its variants for TensorFlow/Keras.
+
+    import tf_dpadambc
+    model = tf_dpadambc.make_private(model)
+    model.compile(optimizer=tf_dpadambc.DPAdamBC(l2_norm_clip=1.0,
+                                                 noise_multiplier=1.1,
+                                                 learning_rate=1e-3),
+                  loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=256, epochs=5)
+
+Layout (the path a gradient takes): ``core.per_example`` → ``core.clipping``
+→ ``core.noise`` → ``core.moments`` → ``core.updates``; ``accounting`` for ε;
+``keras`` for the Keras 3 optimizers and train step.
+"""
+from tf_dpadambc._version import __version__
+from tf_dpadambc.accounting import PrivacyBudget
+from tf_dpadambc.accounting import compute_epsilon
+from tf_dpadambc.accounting import compute_noise_multiplier
+from tf_dpadambc.accounting import dp_sgd_event
+from tf_dpadambc.accounting import epsilon_of_event
+from tf_dpadambc.accounting import optimizer_privacy_statement
+from tf_dpadambc.accounting import privacy_statement
+from tf_dpadambc.keras import DPAdam
+from tf_dpadambc.keras import DPAdamBC
+from tf_dpadambc.keras import DPOptimizer
+from tf_dpadambc.keras import DPSGD
+from tf_dpadambc.keras import is_private
+from tf_dpadambc.keras import make_private
+from tf_dpadambc.keras import private_gradient_sum
+
+__all__ = [
+    "DPAdam", "DPAdamBC", "DPOptimizer", "DPSGD", "PrivacyBudget",
+    "compute_epsilon", "compute_noise_multiplier", "dp_sgd_event",
+    "epsilon_of_event", "is_private", "make_private",
+    "optimizer_privacy_statement", "privacy_statement", "private_gradient_sum",
+    "__version__",
+]

@@ -1,0 +1,66 @@
+"""ε for a training run, and σ for a target ε, with dp_accounting."""
+import math
+
+import dp_accounting
+
+from tf_dpadambc.accounting import events
+
+ACCOUNTANTS = ("rdp", "pld")
+
+
+def make_accountant(accountant="rdp"):
+  """A fresh dp_accounting accountant: ``"rdp"`` (as TF-Privacy) or ``"pld"``."""
+  if accountant == "rdp":
+    return dp_accounting.rdp.RdpAccountant()
+  if accountant == "pld":
+    return dp_accounting.pld.PLDAccountant()
+  raise ValueError(f"accountant must be one of {ACCOUNTANTS}; got "
+                   f"{accountant!r}.")
+
+
+def epsilon_of_event(event, delta, accountant="rdp"):
+  """ε at δ of a DpEvent; ``inf`` for a non-private event."""
+  if not 0 < delta < 1:
+    raise ValueError(f"delta must be in (0, 1); got {delta}.")
+  if isinstance(event, dp_accounting.NonPrivateDpEvent):
+    return math.inf
+  acc = make_accountant(accountant)
+  acc.compose(event)
+  return float(acc.get_epsilon(delta))
+
+
+def training_steps(num_examples, batch_size, epochs):
+  """ceil(epochs · N / B), the convention of TF-Privacy's accounting."""
+  return int(math.ceil(epochs * num_examples / batch_size))
+
+
+def compute_epsilon(num_examples, batch_size, epochs, noise_multiplier, delta,
+                    accountant="rdp", sampling="poisson"):
+  """ε of DP training with Poisson sampling (or ``sampling="shuffle"``).
+
+  Holds for every tf_dpadambc variant with these (N, B, epochs, σ): each
+  releases one Gaussian mechanism of multiplier σ per step, everything else
+  being post-processing. Add/remove-one-example adjacency.
+
+  Returns ``math.inf`` (not private) when ``noise_multiplier == 0``.
+  """
+  event = events.dp_sgd_event(
+      noise_multiplier, num_examples, batch_size,
+      training_steps(num_examples, batch_size, epochs), sampling)
+  return epsilon_of_event(event, delta, accountant)
+
+
+def compute_noise_multiplier(num_examples, batch_size, epochs, target_epsilon,
+                             delta, accountant="rdp", sampling="poisson",
+                             tolerance=1e-3):
+  """The smallest σ whose ε (as :func:`compute_epsilon`) is ≤ target_epsilon."""
+  if not target_epsilon > 0:
+    raise ValueError(f"target_epsilon must be > 0; got {target_epsilon}.")
+  steps = training_steps(num_examples, batch_size, epochs)
+  return float(dp_accounting.calibrate_dp_mechanism(
+      lambda: make_accountant(accountant),
+      lambda sigma: events.dp_sgd_event(sigma, num_examples, batch_size, steps,
+                                        sampling),
+      target_epsilon, delta,
+      bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-2, 1.0),
+      tol=tolerance))

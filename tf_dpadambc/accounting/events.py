@@ -1,0 +1,62 @@
+"""The privacy mechanisms of private training, as dp_accounting DpEvents.
+
+Every variant in this library releases, once per logical step, the clipped sum
+of a sampled batch plus Gaussian noise of std σ·sensitivity: the DP-SGD event.
+Describing it as a DpEvent lets dp_accounting's accountants (RDP, PLD) do all
+of the arithmetic.
+"""
+import math
+
+import dp_accounting
+
+SAMPLINGS = ("poisson", "shuffle")
+
+
+def steps_per_epoch(num_examples, batch_size):
+  """ceil(N / B): how many batches make an epoch."""
+  return int(math.ceil(num_examples / batch_size))
+
+
+def _check(num_examples, batch_size, noise_multiplier, sampling):
+  if num_examples < 1 or batch_size < 1:
+    raise ValueError("num_examples and batch_size must be ≥ 1; got "
+                     f"{num_examples} and {batch_size}.")
+  if batch_size > num_examples:
+    raise ValueError(f"batch_size={batch_size} exceeds num_examples="
+                     f"{num_examples}.")
+  if not noise_multiplier >= 0 or not math.isfinite(noise_multiplier):
+    raise ValueError(f"noise_multiplier must be ≥ 0; got {noise_multiplier}.")
+  if sampling not in SAMPLINGS:
+    raise ValueError(f"sampling must be one of {SAMPLINGS}; got {sampling!r}.")
+
+
+def dp_sgd_event(noise_multiplier, num_examples, batch_size, steps,
+                 sampling="poisson"):
+  """The DpEvent of ``steps`` private steps with batches of ``batch_size``.
+
+  Args:
+    noise_multiplier: σ, noise std divided by the L2 sensitivity.
+    num_examples: N, the training set size.
+    batch_size: B, the (expected) logical batch size in examples.
+    steps: number of logical steps (noise releases).
+    sampling: ``"poisson"``: every example joins each batch independently with
+      probability q = B/N (amplification by sampling applies);
+      ``"shuffle"``: each example is used once per epoch, the guarantee of one
+      Gaussian mechanism per epoch with no amplification (what TF-Privacy
+      reports for shuffled fixed-size batches).
+
+  Returns:
+    ``NonPrivateDpEvent`` when σ = 0; ``NoOpDpEvent`` for zero steps.
+  """
+  _check(num_examples, batch_size, noise_multiplier, sampling)
+  if noise_multiplier == 0:
+    return dp_accounting.NonPrivateDpEvent()
+  if steps == 0:
+    return dp_accounting.NoOpDpEvent()
+  gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
+  if sampling == "poisson":
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(batch_size / num_examples,
+                                            gaussian), int(steps))
+  epochs = int(math.ceil(steps / steps_per_epoch(num_examples, batch_size)))
+  return dp_accounting.SelfComposedDpEvent(gaussian, epochs)

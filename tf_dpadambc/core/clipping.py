@@ -1,0 +1,145 @@
+"""Stage 2 of the pipeline: bound every unit's contribution by C.
+
+    clip_C(g) = g · min(1, C / ‖g‖₂)
+
+so that the sum over units has L2 sensitivity C under add/remove-one-unit
+adjacency (Abadi et al. 2016). A unit whose gradient is not finite contributes
+exactly zero (it stays bounded) and is counted, so one bad example cannot
+poison a step.
+
+Two ways to get Σ_u clip_C(g_u), both exact:
+
+* ``materialized``: per-unit gradients (U x model size), clipped and summed.
+* ``reweighted``: per-unit norms first, then one backward pass of the
+  re-weighted batch loss Σ_u c_u ℓ_u with c_u = min(1, C/‖g_u‖) held constant,
+  whose gradient is Σ_u c_u g_u (the trick behind ghost clipping, Goodfellow
+  2015; Li et al. 2022). Valid only when the batched forward pass computes the
+  same per-unit losses as the per-unit one: no randomness in the forward pass
+  and no data-dependent extra losses. :func:`clipped_gradient_sum` falls back
+  to the materialized way, inside the same compiled step, whenever a norm is
+  not finite.
+"""
+import collections
+
+import tensorflow as tf
+
+from tf_dpadambc.core import per_example
+
+ClippedSum = collections.namedtuple(
+    "ClippedSum", ["grads", "norms", "num_clipped", "num_nonfinite"])
+ClippedSum.__doc__ = """Σ_u clip_C(g_u) with what the clipping did.
+
+grads: list of tensors shaped like the parameters, Σ_u clip_C(g_u).
+norms: [U] per-unit gradient norms before clipping (inf/nan where not finite).
+num_clipped: number of units with ‖g_u‖ > C (scaled down).
+num_nonfinite: number of units whose gradient was not finite (zeroed).
+"""
+
+
+def clip_factors(norms, l2_norm_clip):
+  """c_u = min(1, C/‖g_u‖), and 0 where ‖g_u‖ is not finite."""
+  norms = tf.convert_to_tensor(norms)
+  clip = tf.cast(l2_norm_clip, norms.dtype)
+  finite = tf.math.is_finite(norms)
+  safe = tf.where(finite, norms, tf.ones_like(norms))
+  return tf.where(finite, tf.minimum(1.0, clip / tf.maximum(safe, 1e-30)),
+                  tf.zeros_like(norms))
+
+
+def per_unit_global_norms(per_unit_grads):
+  """‖g_u‖₂ over all parameters for every unit u (leading axis).
+
+  Scaled by the largest |entry| first, so that finite gradients too large to
+  square in float32 still get a finite, exact norm.
+  """
+  def reduce_rest(fn, t):
+    return fn(tf.reshape(t, [tf.shape(t)[0], -1]), axis=1)
+  scale = tf.reduce_max(tf.stack(
+      [reduce_rest(tf.reduce_max, tf.abs(g)) for g in per_unit_grads]), axis=0)
+  ok = tf.math.is_finite(scale) & (scale > 0)
+  safe = tf.where(ok, scale, tf.ones_like(scale))
+  sq = tf.add_n([
+      reduce_rest(tf.reduce_sum, tf.square(g / _expand_as(safe, g)))
+      for g in per_unit_grads])
+  # A non-finite scale propagates (inf/nan norm): that unit gets factor 0.
+  return tf.where(ok, safe * tf.sqrt(sq), scale)
+
+
+def clip_per_unit(per_unit_grads, l2_norm_clip):
+  """Clips each unit's gradient (leading axis) to L2 norm ≤ C.
+
+  Returns ``(clipped, norms)``; non-finite units come back as zeros.
+  """
+  norms = per_unit_global_norms(per_unit_grads)
+  factors = clip_factors(norms, l2_norm_clip)
+  # multiply_no_nan: 0 · inf and 0 · nan are 0, so a zeroed unit is exactly 0.
+  clipped = [tf.math.multiply_no_nan(g, _expand_as(factors, g))
+             for g in per_unit_grads]
+  return clipped, norms
+
+
+def materialized_clipped_sum(per_unit_grads, l2_norm_clip):
+  """Σ_u clip_C(g_u) from materialized per-unit gradients."""
+  clipped, norms = clip_per_unit(per_unit_grads, l2_norm_clip)
+  return _summary([tf.reduce_sum(c, axis=0) for c in clipped], norms,
+                  l2_norm_clip)
+
+
+def reweighted_gradient(batch_unit_losses_fn, params, weights):
+  """∇_θ Σ_u w_u ℓ_u(θ) with the weights held constant: Σ_u w_u g_u."""
+  weights = tf.stop_gradient(weights)
+  with tf.GradientTape() as tape:
+    tape.watch(params)
+    total = tf.reduce_sum(weights * batch_unit_losses_fn(params))
+  return tape.gradient(
+      total, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
+                         l2_norm_clip, reweight=True):
+  """Σ_u clip_C(g_u) for the units of one batch, and the forward outputs.
+
+  Args:
+    unit_loss_fn: ``(params, unit) -> (loss, aux)`` for one unit.
+    batch_unit_losses_fn: ``params -> [U]`` unit losses from one batched
+      forward pass (the same values ``unit_loss_fn`` gives), or ``None``.
+    params: list of parameter tensors.
+    units: nested structure of tensors with leading axis U.
+    l2_norm_clip: C > 0.
+    reweight: use the re-weighted backward pass when every norm is finite
+      (requires ``batch_unit_losses_fn``); otherwise always materialize.
+
+  Returns:
+    ``(ClippedSum, unit_losses [U], aux stacked over units)``.
+  """
+  if not reweight or batch_unit_losses_fn is None:
+    grads, losses, aux = per_example.per_unit_gradients(
+        unit_loss_fn, params, units)
+    return materialized_clipped_sum(grads, l2_norm_clip), losses, aux
+
+  norms, losses, aux = per_example.per_unit_norms(unit_loss_fn, params, units)
+
+  def fast():
+    grads = reweighted_gradient(batch_unit_losses_fn, params,
+                                clip_factors(norms, l2_norm_clip))
+    return _summary(grads, norms, l2_norm_clip)
+
+  def exact():
+    grads, _, _ = per_example.per_unit_gradients(unit_loss_fn, params, units)
+    return materialized_clipped_sum(grads, l2_norm_clip)
+
+  result = tf.cond(tf.reduce_all(tf.math.is_finite(norms)), fast, exact)
+  return ClippedSum(*result), losses, aux
+
+
+def _summary(grads, norms, l2_norm_clip):
+  finite = tf.math.is_finite(norms)
+  num_clipped = tf.reduce_sum(tf.cast(
+      finite & (norms > tf.cast(l2_norm_clip, norms.dtype)), tf.int32))
+  num_nonfinite = tf.reduce_sum(tf.cast(~finite, tf.int32))
+  return ClippedSum(list(grads), norms, num_clipped, num_nonfinite)
+
+
+def _expand_as(per_unit, t):
+  """[U] -> [U, 1, ..., 1] broadcastable against t of rank r."""
+  return tf.reshape(per_unit, [-1] + [1] * (t.shape.rank - 1))

@@ -1,0 +1,33 @@
+"""Stage 4 of the pipeline: moment estimation.
+
+Adam's moments are exponential moving averages of the private gradient ḡ:
+
+    m_t = β1 m_{t-1} + (1-β1) ḡ_t          m̂_t = m_t / (1-β1^t)
+    v_t = β2 v_{t-1} + (1-β2) ḡ_t²         v̂_t = v_t / (1-β2^t)
+
+With independent noise of per-coordinate variance Var_t in ḡ_t,
+E[v̂_t] = v̂_t^clean + Φ_t with
+
+    Φ_t = (1-β2)/(1-β2^t) · Σ_{i≤t} β2^{t-i} Var_i
+
+(Tang, Shpilevskiy & Lécuyer 2024, Eq. 2). For a constant Var = (σC/B)² this
+is exactly Φ = (σC/B)². Tracking Φ_t as one more EMA (of Var_t, debiased like
+v) keeps it exact when the batch size varies between steps.
+"""
+import tensorflow as tf
+
+
+def ema(average, value, decay):
+  """β·average + (1-β)·value."""
+  return decay * average + (1.0 - decay) * value
+
+
+def debias(average, decay, step):
+  """Adam's initialization-bias correction: average / (1 - β^t), t ≥ 1."""
+  step = tf.cast(step, average.dtype)
+  return average / (1.0 - tf.pow(tf.cast(decay, average.dtype), step))
+
+
+def dp_noise_variance(noise_multiplier, l2_norm_clip, batch_size):
+  """Φ = (σC/B)²: per-coordinate variance of the noise in the private mean."""
+  return (noise_multiplier * l2_norm_clip / batch_size) ** 2

@@ -1,0 +1,87 @@
+"""Stage 1 of the pipeline: per-unit gradients and their norms.
+
+A *unit* is what gets clipped: one example, or one microbatch of examples
+(TF-Privacy's ``num_microbatches``). Everything here is vectorized over units
+with ``tf.vectorized_map(..., fallback_to_while_loop=False)``: an op without a
+vectorization rule is an error at trace time, never a silent per-example
+``while_loop`` (which costs 10-100x).
+
+Functions take ``unit_loss_fn(params, unit) -> (loss, aux)``: a pure function of
+a list of parameter tensors and one unit's data (a nested structure whose
+leading dimension is the unit's examples) returning the unit's scalar loss and
+any auxiliary outputs (predictions, per-example losses) to stack.
+"""
+import tensorflow as tf
+
+
+def split_microbatches(batch, num_microbatches):
+  """Reshapes every tensor of ``batch`` from ``[B, ...]`` to ``[M, B/M, ...]``.
+
+  ``num_microbatches=None`` means one example per unit: ``[B, 1, ...]``.
+  Raises ``ValueError`` when ``M`` does not divide a statically known ``B``;
+  a dynamic ``B`` that ``M`` does not divide fails the reshape at run time.
+  """
+  def split(t):
+    t = tf.convert_to_tensor(t)
+    if num_microbatches is None:
+      return t[:, tf.newaxis]
+    static_b = t.shape[0]
+    if static_b is not None and static_b % num_microbatches:
+      raise ValueError(
+          f"num_microbatches={num_microbatches} does not divide the batch "
+          f"size {static_b}. Choose a batch size that is a multiple of "
+          "num_microbatches (and drop the last partial batch), or use "
+          "num_microbatches=None to clip every example.")
+    shape = tf.shape(t)
+    return tf.reshape(
+        t, tf.concat([[num_microbatches, shape[0] // num_microbatches],
+                      shape[1:]], 0))
+  return tf.nest.map_structure(split, batch)
+
+
+def merge_microbatches(stacked):
+  """Inverse of :func:`split_microbatches` for stacked outputs: ``[M, b, ...] -> [M*b, ...]``."""
+  def merge(t):
+    shape = tf.shape(t)
+    return tf.reshape(t, tf.concat([[shape[0] * shape[1]], shape[2:]], 0))
+  return tf.nest.map_structure(merge, stacked)
+
+
+def _unit_gradient(unit_loss_fn, params, unit):
+  with tf.GradientTape() as tape:
+    tape.watch(params)
+    loss, aux = unit_loss_fn(params, unit)
+  grads = tape.gradient(
+      loss, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  return grads, loss, aux
+
+
+def per_unit_gradients(unit_loss_fn, params, units):
+  """Materialized per-unit gradients.
+
+  Returns ``(grads, losses, aux)`` with ``grads[j]`` of shape
+  ``[U, *params[j].shape]`` and ``losses`` of shape ``[U]``.
+  Memory is U x (model size): use it where it is needed (non-finite
+  gradients, stochastic layers); :func:`per_unit_norms` avoids storing it.
+  """
+  return tf.vectorized_map(
+      lambda unit: _unit_gradient(unit_loss_fn, params, unit), units,
+      fallback_to_while_loop=False)
+
+
+def per_unit_norms(unit_loss_fn, params, units):
+  """Per-unit gradient L2 norms ``‖∇ℓ_u‖₂`` without returning the gradients.
+
+  Returns ``(norms [U], losses [U], aux)``. The squared norm is reduced inside
+  the vectorized function so the per-unit gradients never leave it.
+  """
+  def unit_norm(unit):
+    grads, loss, aux = _unit_gradient(unit_loss_fn, params, unit)
+    return tf.sqrt(_sum_of_squares(grads)), loss, aux
+  return tf.vectorized_map(unit_norm, units, fallback_to_while_loop=False)
+
+
+def _sum_of_squares(tensors):
+  # reduce_sum(square) rather than tf.nn.l2_loss / tf.norm: L2Loss has no
+  # vectorization rule and would force a while_loop.
+  return tf.add_n([tf.reduce_sum(tf.square(t)) for t in tensors])

@@ -1,0 +1,51 @@
+"""Every use of a private Keras 3 attribute, in one place.
+
+The private train step needs three things Keras 3 does not expose publicly:
+the compiled loss (to evaluate it on one unit at a time), the loss tracker
+(so that ``loss`` in the logs means what it means in plain Keras) and the
+random-seed generators of stochastic layers (to give every example its own
+dropout mask). ``tests/test_keras_compat.py`` fails loudly if a Keras release
+renames any of them.
+"""
+
+
+def compiled_loss(model):
+  """The callable ``(y_true, y_pred, sample_weight) -> scalar`` built by compile()."""
+  loss = getattr(model, "_compile_loss", None)
+  if loss is None:
+    raise ValueError(
+        "The model was compiled without a loss. The private train step needs "
+        "`model.compile(loss=...)`: the loss is evaluated on each example to "
+        "clip its gradient.")
+  return loss
+
+
+def loss_tracker(model):
+  """The Mean metric behind ``logs['loss']``."""
+  return model._loss_tracker  # pylint: disable=protected-access
+
+
+def flatten_layers(model):
+  """All layers of the model, recursively, including the model itself."""
+  return list(model._flatten_layers(include_self=True, recursive=True))  # pylint: disable=protected-access
+
+
+def seed_generators(model):
+  """The ``keras.random.SeedGenerator`` objects of the model's layers."""
+  return [sg for layer in flatten_layers(model)
+          for sg in getattr(layer, "_seed_generators", [])]  # pylint: disable=protected-access
+
+
+def reset_metrics_too(model, metrics):
+  """Makes ``model.reset_metrics()`` (called by fit at each epoch) reset ``metrics``.
+
+  The metrics stay out of ``model.metrics`` so that evaluate() and the
+  validation logs do not report training-only quantities.
+  """
+  reset = model.reset_metrics
+
+  def reset_metrics():
+    reset()
+    for metric in metrics:
+      metric.reset_state()
+  object.__setattr__(model, "reset_metrics", reset_metrics)

@@ -1,0 +1,271 @@
+"""The Keras 3 shell shared by every private optimizer.
+
+A :class:`DPOptimizer` owns the privacy mechanism — clip norm C, noise
+multiplier σ, microbatching, gradient accumulation, the secret noise seed —
+and turns clipped sums into one private mean gradient per logical step
+(``core.noise.gaussian_release``). Subclasses only say how that private mean
+moves the weights (``build`` + ``update_step``, as in any Keras optimizer).
+
+It takes its input through :meth:`DPOptimizer.apply_private`, called by the
+train step that :func:`tf_dpadambc.make_private` installs. The ordinary Keras
+entry points (``apply``, ``apply_gradients``) receive gradients that were
+neither clipped per example nor noised, so they raise.
+"""
+import math
+import numbers
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tf_dpadambc.accounting import events
+from tf_dpadambc.core import noise
+
+PACKAGE = "tf_dpadambc"
+
+_AGGREGATED_GRADIENTS_ERROR = (
+    "{name} received aggregated gradients through `apply`/`apply_gradients`. "
+    "Those gradients were not clipped per example nor noised, so applying them "
+    "would train without differential privacy. Keras 3's default train step "
+    "cannot produce private gradients: make the model private before "
+    "compiling, e.g.\n\n"
+    "    model = tf_dpadambc.make_private(model)\n"
+    "    model.compile(optimizer={name}(...), loss=..., metrics=[...])\n"
+    "    model.fit(...)\n\n"
+    "(also after `keras.models.load_model`). In a custom training loop, use "
+    "`tf_dpadambc.private_gradient_sum(...)` and "
+    "`optimizer.apply_private(...)`.")
+
+
+def check_positive(name, value, allow_zero=False):
+  if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+      or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)):
+    bound = "≥ 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be a finite number {bound}; got {value!r}.")
+  return float(value)
+
+
+def check_count(name, value):
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    raise ValueError(f"{name} must be None or an integer ≥ 1; got {value!r}.")
+  return int(value)
+
+
+class DPOptimizer(keras.optimizers.Optimizer):
+  """Base class of the private optimizers: the Gaussian mechanism, once per step.
+
+  Args:
+    l2_norm_clip: C > 0, the L2 bound on each unit's (example's or
+      microbatch's) gradient.
+    noise_multiplier: σ ≥ 0; the noise added to the clipped sum has std σC.
+      ``0`` is accepted for debugging but the training is then NOT private
+      (a warning is issued and the privacy report says so).
+    num_microbatches: ``None`` clips every example (the default and the
+      tightest accounting). An integer M splits each physical batch into M
+      microbatches whose mean gradients are clipped; it must divide the batch
+      size. Microbatches of more than one example double the sensitivity
+      under add/remove adjacency, which the accounting takes into account.
+    gradient_accumulation_steps: ``None`` or k ≥ 1: one logical private step
+      over k physical batches. Clipped sums accumulate, the noise is drawn
+      once, and the mean divides by the logical batch's number of units B;
+      Φ and the accounting use that logical batch.
+    seed: ``None`` (a secret seed from the OS, never saved) or an integer that
+      makes the noise reproducible. Anyone who knows the seed can remove the
+      noise: use it for debugging and tests, and keep it secret.
+    learning_rate, **kwargs: as for ``keras.optimizers.Optimizer``
+      (``weight_decay`` gives decoupled weight decay, at no privacy cost).
+
+  The private mean of a logical step with B units is
+  ḡ = (Σ_u clip_C(g_u) + N(0, σ²C² I)) / B, per-coordinate noise variance
+  Φ = (σC/B)² (normalised by the number of units actually in the step).
+  """
+
+  def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
+               gradient_accumulation_steps=None, seed=None,
+               learning_rate=0.001, name=None, **kwargs):
+    # Validate before Keras' __init__ so that bad input fails first; Keras
+    # requires super().__init__() before any attribute is set.
+    l2_norm_clip = check_positive("l2_norm_clip", l2_norm_clip)
+    noise_multiplier = check_positive("noise_multiplier", noise_multiplier,
+                                      allow_zero=True)
+    num_microbatches = check_count("num_microbatches", num_microbatches)
+    accumulation_steps = check_count(
+        "gradient_accumulation_steps", gradient_accumulation_steps) or 1
+    if kwargs.get("loss_scale_factor") is not None:
+      raise ValueError("loss_scale_factor (mixed-precision loss scaling) is "
+                       "not supported by the private train step.")
+    if seed is not None and (isinstance(seed, bool)
+                             or not isinstance(seed, numbers.Integral)):
+      raise ValueError(f"seed must be None or an integer; got {seed!r}.")
+    super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+    self.l2_norm_clip = l2_norm_clip
+    self.noise_multiplier = noise_multiplier
+    self.num_microbatches = num_microbatches
+    self.accumulation_steps = accumulation_steps
+    self.seed = seed
+    self._seed_pair = (noise.random_seed() if seed is None
+                       else [int(seed) % (2**62), 0x5EED])
+    if self.noise_multiplier == 0:
+      warnings.warn(
+          f"{self.__class__.__name__} with noise_multiplier=0 adds no noise: "
+          "training is NOT differentially private (gradients are still "
+          "clipped). Use it only for debugging.", UserWarning, stacklevel=2)
+
+  @property
+  def is_private(self):
+    """False when no noise is added (noise_multiplier == 0)."""
+    return self.noise_multiplier > 0
+
+  # ---------------------------------------------------------------- state
+  def build(self, variables):
+    if self.built:
+      return
+    super().build(variables)
+    def scalar(name, dtype="int64"):
+      return self.add_variable((), initializer="zeros", dtype=dtype, name=name)
+    # What the accounting needs: the largest logical batch seen, in examples
+    # and in clipped units (partial last batches are smaller).
+    self._max_batch_examples = scalar("dp_max_batch_examples")
+    self._max_batch_units = scalar("dp_max_batch_units")
+    self._noise_variance = scalar("dp_noise_variance", "float32")
+    if self.accumulation_steps > 1:
+      self._accumulated_sums = self.add_optimizer_variables(
+          variables, "dp_clipped_sum")
+      self._accumulated_units = scalar("dp_accumulated_units")
+      self._accumulated_examples = scalar("dp_accumulated_examples")
+      self._physical_step = scalar("dp_physical_step")
+
+  @property
+  def noise_variance(self):
+    """Φ of the last logical step: (σC/B)², per coordinate of ḡ."""
+    return self._noise_variance
+
+  # ---------------------------------------------------------- the guard
+  def apply(self, grads, trainable_variables=None):
+    raise RuntimeError(
+        _AGGREGATED_GRADIENTS_ERROR.format(name=self.__class__.__name__))
+
+  # -------------------------------------------------- the private path
+  def apply_private(self, clipped_sum, num_units, num_examples,
+                    trainable_variables=None):
+    """Feeds one physical batch's clipped sum Σ_u clip_C(g_u) to the optimizer.
+
+    With gradient accumulation the sums are stored until the k-th physical
+    batch; then (and otherwise at once) the Gaussian noise is drawn once and
+    the weights are updated.
+
+    Args:
+      clipped_sum: list of tensors shaped like the trainable variables, each
+        unit clipped to norm ≤ ``l2_norm_clip``.
+      num_units: number of clipped units in this physical batch.
+      num_examples: number of examples in this physical batch.
+      trainable_variables: the variables, in the order of ``clipped_sum``.
+    """
+    if trainable_variables is None:
+      trainable_variables = self._trainable_variables
+    trainable_variables = list(trainable_variables)
+    if not self.built:
+      self.build(trainable_variables)
+    num_units = tf.cast(num_units, tf.int64)
+    num_examples = tf.cast(num_examples, tf.int64)
+    if self.accumulation_steps == 1:
+      self._release(clipped_sum, num_units, num_examples, trainable_variables)
+      return
+
+    for acc, s in zip(self._accumulated_sums, clipped_sum):
+      acc.assign_add(s)
+    units = self._accumulated_units.assign_add(num_units)
+    examples = self._accumulated_examples.assign_add(num_examples)
+    step = self._physical_step.assign_add(1)
+
+    def release():
+      self._release([acc.value for acc in self._accumulated_sums], units,
+                    examples, trainable_variables)
+      for acc in self._accumulated_sums:
+        acc.assign(tf.zeros_like(acc))
+      self._accumulated_units.assign(0)
+      self._accumulated_examples.assign(0)
+      return tf.constant(True)
+
+    tf.cond(step % self.accumulation_steps == 0, release,
+            lambda: tf.constant(False))
+
+  def _release(self, clipped_sum, num_units, num_examples, variables):
+    """One logical step: noise once, normalise by B, update the weights."""
+    seed = noise.step_seed(self._seed_pair, self._iterations)
+    noisy_mean, noise_variance = noise.gaussian_release(
+        clipped_sum, self.l2_norm_clip, self.noise_multiplier, num_units, seed)
+    self._noise_variance.assign(noise_variance)
+    self._max_batch_units.assign(tf.maximum(self._max_batch_units, num_units))
+    self._max_batch_examples.assign(
+        tf.maximum(self._max_batch_examples, num_examples))
+    self._on_private_step(noise_variance)
+    # Keras' own apply: weight decay, update_step per variable, iterations += 1.
+    keras.optimizers.Optimizer.apply(self, noisy_mean, variables)
+
+  def _on_private_step(self, noise_variance):
+    """Hook for per-step (not per-variable) state, before ``update_step``."""
+
+  # ------------------------------------------------------- accounting
+  @property
+  def effective_noise_multiplier(self):
+    """σ for accounting under add/remove-one-example adjacency.
+
+    A unit of one example has sensitivity C; a microbatch of several examples
+    changes by up to 2C when one example is added or removed (its clipped mean
+    can flip direction), which halves the effective σ — as TF-Privacy's
+    ``used_microbatching=True``.
+    """
+    if self.built and int(self._max_batch_units.numpy()) and (
+        int(self._max_batch_examples.numpy())
+        > int(self._max_batch_units.numpy())):
+      return self.noise_multiplier / 2
+    if not self.built and self.num_microbatches is not None:
+      return self.noise_multiplier / 2
+    return self.noise_multiplier
+
+  @property
+  def steps_taken(self):
+    """Number of logical private steps performed (noise releases)."""
+    return int(self.iterations.numpy())
+
+  @property
+  def logical_batch_size(self):
+    """Largest logical batch (in examples) seen so far; 0 before training."""
+    return int(self._max_batch_examples.numpy()) if self.built else 0
+
+  def dp_event(self, num_examples, batch_size=None, sampling="poisson",
+               steps=None):
+    """The dp_accounting DpEvent of the training this optimizer performed.
+
+    Args:
+      num_examples: size N of the training set.
+      batch_size: expected logical batch size; defaults to the largest seen.
+      sampling: ``"poisson"`` (each example in each step independently with
+        probability B/N: what the ε from ``compute_epsilon`` assumes) or
+        ``"shuffle"`` (each example once per epoch, no amplification).
+      steps: number of logical steps; defaults to the steps taken so far.
+    """
+    batch_size = batch_size or self.logical_batch_size
+    if not batch_size:
+      raise ValueError("No private step was taken yet: pass batch_size.")
+    return events.dp_sgd_event(
+        noise_multiplier=self.effective_noise_multiplier,
+        num_examples=num_examples, batch_size=batch_size,
+        steps=self.steps_taken if steps is None else steps,
+        sampling=sampling)
+
+  # ---------------------------------------------------------- config
+  def get_config(self):
+    config = super().get_config()
+    config.update({
+        "l2_norm_clip": self.l2_norm_clip,
+        "noise_multiplier": self.noise_multiplier,
+        "num_microbatches": self.num_microbatches,
+        "gradient_accumulation_steps": (
+            None if self.accumulation_steps == 1 else self.accumulation_steps),
+        "seed": self.seed,
+    })
+    return config

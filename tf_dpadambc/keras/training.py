@@ -1,0 +1,174 @@
+"""The private Keras 3 train step and ``make_private``.
+
+Keras 3's ``Model.train_step`` reduces the loss over the batch and gives the
+optimizer one aggregated gradient, from which no per-example bound can be
+recovered. ``make_private(model)`` installs a train step that
+
+1. evaluates the compiled loss per unit (example or microbatch) with
+   ``model.stateless_call`` inside ``tf.vectorized_map`` and gets every unit's
+   gradient norm (``core.per_example``);
+2. forms Σ_u clip_C(g_u) (``core.clipping``: one re-weighted backward pass, or
+   materialized per-unit gradients where that is not exact);
+3. hands the clipped sum to the DP optimizer, which adds the noise once per
+   logical step and updates the weights (``DPOptimizer.apply_private``);
+
+all inside the one function Keras compiles (``jit_compile=True`` works).
+Losses, metrics, sample weights and validation behave as in plain Keras.
+"""
+import types
+
+import keras
+import tensorflow as tf
+
+from tf_dpadambc.core import clipping
+from tf_dpadambc.core import per_example
+from tf_dpadambc.keras import _compat
+from tf_dpadambc.keras import validation
+from tf_dpadambc.keras.optimizers import base
+
+_MARK = "_tf_dpadambc_private"
+_METRICS = "_tf_dpadambc_metrics"
+
+
+def _batch_size(x):
+  first = next(t for t in tf.nest.flatten(x) if t is not None)
+  return tf.shape(first)[0]
+
+
+def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
+                         num_microbatches=None):
+  """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
+
+  Units are examples (``num_microbatches=None``) or M equal microbatches; a
+  unit's loss is the compiled loss on its examples (with sample weights and
+  any ``add_loss``/regularization losses of that forward pass).
+
+  Stochastic layers (Dropout, GaussianNoise, ...) draw one set of random
+  values per step, shared by the units of the batch: random ops with a
+  per-unit seed have no vectorization rule in TensorFlow.
+
+  Returns:
+    ``(ClippedSum, unit_losses [U], y_pred)`` with ``y_pred`` the batch's
+    predictions in the original example order.
+  """
+  compiled_loss = _compat.compiled_loss(model)
+  non_trainable = [v.value for v in model.non_trainable_variables]
+  stochastic = bool(_compat.seed_generators(model))
+  params = [v.value for v in model.trainable_variables]
+  batch_size = _batch_size(x)
+  if sample_weight is None:
+    sample_weight = tf.ones([batch_size], dtype=keras.backend.floatx())
+
+  def forward(params, inputs, non_trainable):
+    y_pred, _, losses = model.stateless_call(
+        params, non_trainable, inputs, training=True, return_losses=True)
+    return y_pred, losses
+
+  def unit_loss_fn(params, unit):
+    ux, uy, uw = unit
+    y_pred, losses = forward(params, ux, non_trainable)
+    loss = compiled_loss(uy, y_pred, uw)
+    if losses:
+      loss += tf.add_n([tf.cast(l, loss.dtype) for l in losses])
+    return loss, y_pred
+
+  def batch_unit_losses_fn(params):
+    y_pred, _ = forward(params, x, non_trainable)
+    units_pred = per_example.split_microbatches(y_pred, num_microbatches)
+    _, uy, uw = units
+    return tf.vectorized_map(lambda u: compiled_loss(*u), (uy, units_pred, uw),
+                             fallback_to_while_loop=False)
+
+  units = per_example.split_microbatches((x, y, sample_weight),
+                                         num_microbatches)
+  # The re-weighted backward pass is exact only if the batched forward pass
+  # gives every unit the loss the per-unit pass gave it: no randomness, no
+  # extra (add_loss / regularization) losses.
+  probe = tf.nest.map_structure(lambda t: t[:1], x)
+  _, extra_losses = forward(params, probe, non_trainable)
+  reweight = not stochastic and not extra_losses
+  result, unit_losses, y_pred = clipping.clipped_gradient_sum(
+      unit_loss_fn, batch_unit_losses_fn if reweight else None, params, units,
+      l2_norm_clip)
+  return result, unit_losses, per_example.merge_microbatches(y_pred)
+
+
+def _advance_seed_generators(model):
+  # The per-unit forward passes ran statelessly; move every stochastic layer
+  # to fresh randomness for the next step.
+  for sg in _compat.seed_generators(model):
+    sg.next()
+
+
+def _dp_train_step(self, data):
+  """The train step ``make_private`` installs (``self`` is the model)."""
+  optimizer = self.optimizer
+  if not isinstance(optimizer, base.DPOptimizer):
+    raise TypeError(
+        "This model was made private with tf_dpadambc.make_private, but it is "
+        f"compiled with {optimizer.__class__.__name__}, which is not a "
+        "differentially private optimizer. Compile it with one of "
+        "tf_dpadambc's optimizers (DPSGD, DPAdam, DPAdamBC, ...).")
+  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  result, unit_losses, y_pred = private_gradient_sum(
+      self, x, y, sample_weight, optimizer.l2_norm_clip,
+      optimizer.num_microbatches)
+  num_units = tf.shape(unit_losses)[0]
+  batch_size = _batch_size(x)
+  optimizer.apply_private(result.grads, num_units, batch_size,
+                          self.trainable_variables)
+  _advance_seed_generators(self)
+
+  _compat.loss_tracker(self).update_state(
+      tf.reduce_mean(unit_losses), sample_weight=batch_size)
+  clipped_fraction, nonfinite = getattr(self, _METRICS)
+  clipped_fraction.update_state(
+      tf.cast(result.num_clipped, tf.float32) / tf.cast(num_units, tf.float32),
+      sample_weight=tf.cast(num_units, tf.float32))
+  nonfinite.update_state(tf.cast(result.num_nonfinite, tf.float32))
+  logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+  logs.update({m.name: m.result() for m in (clipped_fraction, nonfinite)})
+  return logs
+
+
+def make_private(model):
+  """Gives a Keras 3 model a differentially private train step; returns it.
+
+      model = tf_dpadambc.make_private(model)
+      model.compile(optimizer=tf_dpadambc.DPAdamBC(l2_norm_clip=1.0,
+                                                   noise_multiplier=1.1),
+                    loss="sparse_categorical_crossentropy",
+                    metrics=["accuracy"])
+      model.fit(x, y, batch_size=256, epochs=5)
+
+  Every training step then clips each example's (or microbatch's) gradient
+  and adds noise once per logical step, through the compiled DP optimizer.
+  ``fit`` logs two more metrics: ``dp_clipped_fraction`` (units whose norm
+  exceeded C) and ``dp_nonfinite_examples`` (units with a non-finite gradient,
+  whose contribution was zeroed, summed over the epoch).
+
+  Call it again after ``keras.models.load_model``: the train step is not
+  saved with the model. Raises ``ValueError`` for layers that mix examples
+  (BatchNormalization).
+  """
+  if not isinstance(model, keras.Model):
+    raise TypeError(f"make_private expects a keras.Model; got {type(model)}.")
+  if keras.backend.backend() != "tensorflow":
+    raise ValueError("tf_dpadambc requires the TensorFlow backend of Keras 3 "
+                     "(KERAS_BACKEND=tensorflow).")
+  validation.check_model(model)
+  if not getattr(model, _MARK, False):
+    metrics = (keras.metrics.Mean(name="dp_clipped_fraction"),
+               keras.metrics.Sum(name="dp_nonfinite_examples"))
+    object.__setattr__(model, _METRICS, metrics)
+    _compat.reset_metrics_too(model, metrics)
+    object.__setattr__(model, _MARK, True)
+  object.__setattr__(model, "train_step",
+                     types.MethodType(_dp_train_step, model))
+  model.train_function = None  # drop a step traced before make_private
+  return model
+
+
+def is_private(model):
+  """True if ``make_private`` was applied to this model."""
+  return bool(getattr(model, _MARK, False))
