@@ -57,10 +57,20 @@ def compute_noise_multiplier(num_examples, batch_size, epochs, target_epsilon,
   if not target_epsilon > 0:
     raise ValueError(f"target_epsilon must be > 0; got {target_epsilon}.")
   steps = training_steps(num_examples, batch_size, epochs)
-  return float(dp_accounting.calibrate_dp_mechanism(
-      lambda: make_accountant(accountant),
-      lambda sigma: events.dp_sgd_event(sigma, num_examples, batch_size, steps,
-                                        sampling),
-      target_epsilon, delta,
-      bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-2, 1.0),
-      tol=tolerance))
+
+  def calibrate(name, bracket):
+    return float(dp_accounting.calibrate_dp_mechanism(
+        lambda: make_accountant(name),
+        lambda sigma: events.dp_sgd_event(sigma, num_examples, batch_size,
+                                          steps, sampling),
+        target_epsilon, delta, bracket_interval=bracket, tol=tolerance))
+
+  sigma_rdp = calibrate(
+      "rdp", dp_accounting.LowerEndpointAndGuess(1e-2, 1.0))
+  if accountant == "rdp":
+    return sigma_rdp
+  # PLD is tighter than RDP (its σ is smaller) but costly for tiny σ: search
+  # only below the RDP answer.
+  make_accountant(accountant)  # validates the name
+  return calibrate(accountant, dp_accounting.ExplicitBracketInterval(
+      sigma_rdp / 4, sigma_rdp))

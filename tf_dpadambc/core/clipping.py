@@ -46,43 +46,55 @@ def clip_factors(norms, l2_norm_clip):
                   tf.zeros_like(norms))
 
 
-def per_unit_global_norms(per_unit_grads):
-  """‖g_u‖₂ over all parameters for every unit u (leading axis).
+def _scaled_norms(per_unit_grads):
+  """‖g_u‖₂ = scale_u · ratio_u with scale_u = max |entry of g_u|.
 
-  Scaled by the largest |entry| first, so that finite gradients too large to
-  square in float32 still get a finite, exact norm.
+  Scaling first gives an exact clip factor even for finite gradients whose
+  squares (or norm) overflow float32. ``ok_u`` is False for non-finite units.
   """
   def reduce_rest(fn, t):
     return fn(tf.reshape(t, [tf.shape(t)[0], -1]), axis=1)
   scale = tf.reduce_max(tf.stack(
       [reduce_rest(tf.reduce_max, tf.abs(g)) for g in per_unit_grads]), axis=0)
-  ok = tf.math.is_finite(scale) & (scale > 0)
-  safe = tf.where(ok, scale, tf.ones_like(scale))
-  sq = tf.add_n([
+  ok = tf.math.is_finite(scale)
+  safe = tf.where(ok & (scale > 0), scale, tf.ones_like(scale))
+  ratio = tf.sqrt(tf.add_n([
       reduce_rest(tf.reduce_sum, tf.square(g / _expand_as(safe, g)))
-      for g in per_unit_grads])
-  # A non-finite scale propagates (inf/nan norm): that unit gets factor 0.
-  return tf.where(ok, safe * tf.sqrt(sq), scale)
+      for g in per_unit_grads]))
+  return safe, ratio, ok & tf.math.is_finite(ratio)
+
+
+def per_unit_global_norms(per_unit_grads):
+  """‖g_u‖₂ over all parameters for every unit u (leading axis); inf/nan if not finite."""
+  scale, ratio, ok = _scaled_norms(per_unit_grads)
+  return tf.where(ok, scale * ratio, tf.fill(tf.shape(ok), float("nan")))
 
 
 def clip_per_unit(per_unit_grads, l2_norm_clip):
   """Clips each unit's gradient (leading axis) to L2 norm ≤ C.
 
-  Returns ``(clipped, norms)``; non-finite units come back as zeros.
+  Returns ``(clipped, norms, was_clipped, ok)``; non-finite units (``ok``
+  False) come back as exact zeros.
   """
-  norms = per_unit_global_norms(per_unit_grads)
-  factors = clip_factors(norms, l2_norm_clip)
+  scale, ratio, ok = _scaled_norms(per_unit_grads)
+  clip = tf.cast(l2_norm_clip, scale.dtype)
+  # g·min(1, C/(s·r)) = (g/s)·min(s, C/r): no overflowing norm and no
+  # denormal factor (flushed to zero on CPU) for huge finite gradients.
+  bounded_scale = tf.minimum(scale, clip / tf.maximum(ratio, 1e-30))
+  factors = tf.where(ok, bounded_scale, tf.zeros_like(scale))
   # multiply_no_nan: 0 · inf and 0 · nan are 0, so a zeroed unit is exactly 0.
-  clipped = [tf.math.multiply_no_nan(g, _expand_as(factors, g))
+  clipped = [tf.math.multiply_no_nan(g / _expand_as(scale, g),
+                                     _expand_as(factors, g))
              for g in per_unit_grads]
-  return clipped, norms
+  return clipped, scale * ratio, ok & (bounded_scale < scale), ok
 
 
 def materialized_clipped_sum(per_unit_grads, l2_norm_clip):
   """Σ_u clip_C(g_u) from materialized per-unit gradients."""
-  clipped, norms = clip_per_unit(per_unit_grads, l2_norm_clip)
+  clipped, norms, was_clipped, ok = clip_per_unit(per_unit_grads,
+                                                  l2_norm_clip)
   return _summary([tf.reduce_sum(c, axis=0) for c in clipped], norms,
-                  l2_norm_clip)
+                  was_clipped, ok)
 
 
 def reweighted_gradient(batch_unit_losses_fn, params, weights):
@@ -120,9 +132,9 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
   norms, losses, aux = per_example.per_unit_norms(unit_loss_fn, params, units)
 
   def fast():
-    grads = reweighted_gradient(batch_unit_losses_fn, params,
-                                clip_factors(norms, l2_norm_clip))
-    return _summary(grads, norms, l2_norm_clip)
+    factors = clip_factors(norms, l2_norm_clip)
+    grads = reweighted_gradient(batch_unit_losses_fn, params, factors)
+    return _summary(grads, norms, factors < 1.0, tf.math.is_finite(norms))
 
   def exact():
     grads, _, _ = per_example.per_unit_gradients(unit_loss_fn, params, units)
@@ -132,11 +144,9 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
   return ClippedSum(*result), losses, aux
 
 
-def _summary(grads, norms, l2_norm_clip):
-  finite = tf.math.is_finite(norms)
-  num_clipped = tf.reduce_sum(tf.cast(
-      finite & (norms > tf.cast(l2_norm_clip, norms.dtype)), tf.int32))
-  num_nonfinite = tf.reduce_sum(tf.cast(~finite, tf.int32))
+def _summary(grads, norms, was_clipped, ok):
+  num_clipped = tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32))
+  num_nonfinite = tf.reduce_sum(tf.cast(~ok, tf.int32))
   return ClippedSum(list(grads), norms, num_clipped, num_nonfinite)
 
 

@@ -1,0 +1,150 @@
+"""Per-unit clipping: the bound, non-finite units, and the two exact paths."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpadambc.core import clipping
+from tf_dpadambc.core import per_example
+
+C = 1.5
+
+
+def _per_unit(rng, scales):
+  """Per-unit gradients over two 'parameters', unit u scaled by scales[u]."""
+  a = rng.normal(size=(len(scales), 3, 4)).astype("float32")
+  b = rng.normal(size=(len(scales), 5)).astype("float32")
+  s = np.asarray(scales, "float32")
+  return [a * s[:, None, None], b * s[:, None]]
+
+
+def _norms(grads):
+  return np.sqrt(sum(np.sum(np.reshape(g, (g.shape[0], -1)).astype("float64") ** 2,
+                            axis=1) for g in grads))
+
+
+def test_clipped_norms_bounded_including_huge_and_nonfinite():
+  rng = np.random.default_rng(0)
+  grads = _per_unit(rng, [1e-3, 0.5, 10.0, 1e30, 1.0, 5e37])
+  grads[0][4, 0, 0] = np.nan
+  grads[1][1, 2] = np.inf
+  clipped, _, _, ok = clipping.clip_per_unit([tf.constant(g) for g in grads], C)
+  norms = clipping.per_unit_global_norms([tf.constant(g) for g in grads])
+  clipped = [c.numpy() for c in clipped]
+  out = _norms(clipped)
+  assert np.all(np.isfinite(out))
+  assert np.all(out <= C * (1 + 1e-6)), out
+  # Units 0 (small) untouched; 2, 3, 5 (huge but finite) clipped to exactly C.
+  np.testing.assert_allclose(out[[2, 3, 5]], C, rtol=1e-5)
+  np.testing.assert_allclose(clipped[0][0], grads[0][0], rtol=1e-6)
+  # Non-finite units 1 and 4 contribute exactly zero.
+  assert out[1] == 0 and out[4] == 0
+  np.testing.assert_array_equal(ok.numpy(), [1, 0, 1, 1, 0, 1])
+  norms = norms.numpy()
+  assert not np.isfinite(norms[1]) and not np.isfinite(norms[4])
+  np.testing.assert_allclose(norms[3], _norms([g[3:4] / 1e30 for g in grads])[0]
+                             * 1e30, rtol=1e-5)
+
+
+def test_materialized_sum_counts_clipped_and_nonfinite():
+  rng = np.random.default_rng(1)
+  grads = _per_unit(rng, [0.01, 100.0, 100.0, 0.02])
+  grads[0][3, 0, 0] = np.nan
+  result = clipping.materialized_clipped_sum([tf.constant(g) for g in grads], C)
+  assert int(result.num_clipped) == 2
+  assert int(result.num_nonfinite) == 1
+  n = _norms(grads)
+  factors = np.minimum(1, C / n[:3])
+  expected = [np.tensordot(factors, g[:3], 1) for g in grads]
+  for got, want in zip(result.grads, expected):
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_factors():
+  f = clipping.clip_factors(tf.constant([0.5, 3.0, np.inf, np.nan, 0.0]), 1.5)
+  np.testing.assert_allclose(f.numpy(), [1.0, 0.5, 0.0, 0.0, 1.0])
+
+
+def _linear_problem(rng, n=8, d=5):
+  x = rng.normal(size=(n, d)).astype("float32")
+  x[2] *= 50.0  # a unit whose gradient gets clipped hard
+  y = rng.normal(size=(n,)).astype("float32")
+  w = tf.constant(rng.normal(size=(d,)).astype("float32"))
+  bias = tf.constant(0.3)
+
+  def unit_loss_fn(params, unit):
+    ux, uy = unit
+    pred = tf.linalg.matvec(ux, params[0]) + params[1]
+    return tf.reduce_mean(tf.square(pred - uy)), pred
+
+  def batch_unit_losses_fn(params):
+    pred = tf.linalg.matvec(x, params[0]) + params[1]
+    return tf.square(pred - y)
+
+  return x, y, [w, bias], unit_loss_fn, batch_unit_losses_fn
+
+
+def test_reweighted_equals_materialized_and_numpy():
+  rng = np.random.default_rng(2)
+  x, y, params, unit_loss_fn, batch_fn = _linear_problem(rng)
+  units = per_example.split_microbatches((x, y), None)
+  fast, losses, _ = clipping.clipped_gradient_sum(
+      unit_loss_fn, batch_fn, params, units, C)
+  exact, _, _ = clipping.clipped_gradient_sum(
+      unit_loss_fn, None, params, units, C)
+  # NumPy: per-example gradient of (x·w + b − y)² is 2r·(x, 1).
+  r = x @ params[0].numpy() + params[1].numpy() - y
+  g = np.concatenate([2 * r[:, None] * x, 2 * r[:, None]], axis=1)
+  f = np.minimum(1, C / np.linalg.norm(g, axis=1))
+  want = (f[:, None] * g).sum(0)
+  for result in (fast, exact):
+    got = np.concatenate([result.grads[0].numpy(), [result.grads[1].numpy()]])
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert int(result.num_clipped) == int(np.sum(np.linalg.norm(g, axis=1) > C))
+  np.testing.assert_allclose(losses.numpy(), r ** 2, rtol=1e-5)
+
+
+def test_nonfinite_example_falls_back_and_is_zeroed():
+  rng = np.random.default_rng(3)
+  x, y, params, unit_loss_fn, batch_fn = _linear_problem(rng)
+  x[5, 1] = np.nan
+  units = per_example.split_microbatches((x, y), None)
+  result, _, _ = clipping.clipped_gradient_sum(
+      unit_loss_fn, batch_fn, params, units, C)
+  assert int(result.num_nonfinite) == 1
+  keep = np.arange(8) != 5
+  ref, _, _ = clipping.clipped_gradient_sum(
+      unit_loss_fn, None, params,
+      per_example.split_microbatches((x[keep], y[keep]), None), C)
+  for got, want in zip(result.grads, ref.grads):
+    assert np.all(np.isfinite(got.numpy()))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5)
+
+
+def test_microbatches_clip_the_mean_gradient_of_each_group():
+  rng = np.random.default_rng(4)
+  x, y, params, unit_loss_fn, _ = _linear_problem(rng)
+  units = per_example.split_microbatches((x, y), 4)
+  assert units[0].shape == (4, 2, 5)
+  result, _, _ = clipping.clipped_gradient_sum(
+      unit_loss_fn, None, params, units, C)
+  r = x @ params[0].numpy() + params[1].numpy() - y
+  g = np.concatenate([2 * r[:, None] * x, 2 * r[:, None]], axis=1)
+  g = g.reshape(4, 2, -1).mean(1)
+  f = np.minimum(1, C / np.linalg.norm(g, axis=1))
+  want = (f[:, None] * g).sum(0)
+  got = np.concatenate([result.grads[0].numpy(), [result.grads[1].numpy()]])
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_microbatches_must_divide_the_batch():
+  with pytest.raises(ValueError, match="does not divide"):
+    per_example.split_microbatches(tf.zeros([10, 3]), 4)
+
+
+def test_vectorization_never_falls_back_to_a_while_loop():
+  # An op without a pfor rule must fail loudly rather than run as a loop.
+  def unit_loss_fn(params, unit):
+    return tf.nn.l2_loss(params[0] * unit) + tf.py_function(
+        lambda: 0.0, [], tf.float32), ()
+  with pytest.raises(Exception):
+    per_example.per_unit_norms(unit_loss_fn, [tf.ones([3])], tf.ones([4, 3]))

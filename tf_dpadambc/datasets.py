@@ -1,0 +1,85 @@
+"""Small classification data sets for the demo job and the examples.
+
+* :func:`load_mnist1d` generates MNIST-1D (Greydanus 2020) locally with the
+  ``mnist1d`` package: 4,000 train / 1,000 test signals of 40 features, 10
+  classes. Nothing is downloaded (``mnist1d.data.get_dataset`` would).
+* :func:`load_digits` uses scikit-learn's bundled 8x8 digits (1,797 images).
+* :func:`load_mnist` is full MNIST through ``keras.datasets`` (downloads).
+
+Every loader returns a :class:`Dataset` with float32 ``x`` and int32 ``y``.
+"""
+import collections
+
+import numpy as np
+
+Dataset = collections.namedtuple(
+    "Dataset", ["x_train", "y_train", "x_test", "y_test", "name"])
+
+_EXTRAS_HINT = ('Install the optional dependencies of the examples with: '
+                'pip install "tf-dpadambc[examples]"')
+
+
+def _as_dataset(x_train, y_train, x_test, y_test, name):
+  return Dataset(np.ascontiguousarray(x_train, dtype=np.float32),
+                 np.ascontiguousarray(y_train, dtype=np.int32),
+                 np.ascontiguousarray(x_test, dtype=np.float32),
+                 np.ascontiguousarray(y_test, dtype=np.int32), name)
+
+
+def load_mnist1d(seed=42):
+  """MNIST-1D, generated locally (about 4 s): 4,000 train / 1,000 test.
+
+  ``x`` has shape ``[N, 40]`` (standardized signals), ``y`` labels in 0..9.
+  ``seed=42`` gives the data set of the MNIST-1D paper. Generation seeds
+  NumPy's global random state (``mnist1d`` calls ``np.random.seed``); the
+  previous state is restored afterwards.
+  """
+  try:
+    from mnist1d.data import get_dataset_args  # pylint: disable=g-import-not-at-top
+    from mnist1d.data import make_dataset  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("load_mnist1d needs the 'mnist1d' package. "
+                      + _EXTRAS_HINT) from e
+  args = get_dataset_args()
+  args.seed = int(seed)
+  state = np.random.get_state()
+  try:
+    data = make_dataset(args)  # never get_dataset: it downloads
+  finally:
+    np.random.set_state(state)
+  return _as_dataset(data["x"], data["y"], data["x_test"], data["y_test"],
+                     "mnist1d")
+
+
+def load_digits(seed=0, test_fraction=0.25):
+  """scikit-learn's bundled 8x8 digits, flattened to 64 features in [0, 1].
+
+  A stratified train/test split with a fixed ``seed``: 1,347 train / 450 test
+  with the defaults.
+  """
+  try:
+    from sklearn import datasets as sk_datasets  # pylint: disable=g-import-not-at-top
+    from sklearn import model_selection  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("load_digits needs scikit-learn. " + _EXTRAS_HINT) from e
+  digits = sk_datasets.load_digits()
+  x = digits.data / 16.0  # pixel intensities are 0..16
+  x_train, x_test, y_train, y_test = model_selection.train_test_split(
+      x, digits.target, test_size=test_fraction, random_state=seed,
+      stratify=digits.target)
+  return _as_dataset(x_train, y_train, x_test, y_test, "digits")
+
+
+def load_mnist():
+  """Full MNIST through ``keras.datasets.mnist`` (downloads ~11 MB once).
+
+  ``x`` has shape ``[N, 28, 28]`` scaled to [0, 1]: 60,000 train / 10,000
+  test. Not used by default.
+  """
+  import keras  # pylint: disable=g-import-not-at-top
+  (x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
+  return _as_dataset(x_train / 255.0, y_train, x_test / 255.0, y_test,
+                     "mnist")
+
+
+LOADERS = {"mnist1d": load_mnist1d, "digits": load_digits}
