@@ -76,9 +76,9 @@ def _linear_problem(rng, n=8, d=5):
     pred = tf.linalg.matvec(ux, params[0]) + params[1]
     return tf.reduce_mean(tf.square(pred - uy)), pred
 
-  def batch_unit_losses_fn(params):
-    pred = tf.linalg.matvec(x, params[0]) + params[1]
-    return tf.square(pred - y)
+  def batch_unit_losses_fn(params, indices):
+    pred = tf.linalg.matvec(tf.gather(x, indices), params[0]) + params[1]
+    return tf.square(pred - tf.gather(y, indices))
 
   return x, y, [w, bias], unit_loss_fn, batch_unit_losses_fn
 

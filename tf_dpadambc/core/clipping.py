@@ -15,9 +15,7 @@ Two ways to get Σ_u clip_C(g_u), both exact:
   whose gradient is Σ_u c_u g_u (the trick behind ghost clipping, Goodfellow
   2015; Li et al. 2022). Valid only when the batched forward pass computes the
   same per-unit losses as the per-unit one: no randomness in the forward pass
-  and no data-dependent extra losses. :func:`clipped_gradient_sum` falls back
-  to the materialized way, inside the same compiled step, whenever a norm is
-  not finite.
+  and no data-dependent extra losses.
 """
 import collections
 
@@ -108,40 +106,48 @@ def reweighted_gradient(batch_unit_losses_fn, params, weights):
 
 
 def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
-                         l2_norm_clip, reweight=True):
+                         l2_norm_clip):
   """Σ_u clip_C(g_u) for the units of one batch, and the forward outputs.
 
   Args:
     unit_loss_fn: ``(params, unit) -> (loss, aux)`` for one unit.
-    batch_unit_losses_fn: ``params -> [U]`` unit losses from one batched
-      forward pass (the same values ``unit_loss_fn`` gives), or ``None``.
+    batch_unit_losses_fn: ``(params, indices) -> [U]`` losses of one batched
+      forward pass in which unit u is given the data of unit ``indices[u]``
+      (the same values ``unit_loss_fn`` gives); or ``None`` where that is not
+      exact (stochastic layers, data-dependent extra losses), to materialize
+      the per-unit gradients instead.
     params: list of parameter tensors.
     units: nested structure of tensors with leading axis U.
     l2_norm_clip: C > 0.
-    reweight: use the re-weighted backward pass when every norm is finite
-      (requires ``batch_unit_losses_fn``); otherwise always materialize.
 
   Returns:
     ``(ClippedSum, unit_losses [U], aux stacked over units)``.
+
+  In the re-weighted pass a unit whose norm is not finite gets weight 0 and
+  the data of a finite unit, so its non-finite values cannot reach the sum
+  (0 · nan is nan in a backward pass). Norms that overflow float32
+  (‖g‖ ≳ 1e19) count as non-finite there; the materialized path clips them
+  exactly. No ``tf.cond``: a conditional around the backward pass makes XLA
+  treat the weights as compile-time constants and recompile every step.
   """
-  if not reweight or batch_unit_losses_fn is None:
+  if batch_unit_losses_fn is None:
     grads, losses, aux = per_example.per_unit_gradients(
         unit_loss_fn, params, units)
     return materialized_clipped_sum(grads, l2_norm_clip), losses, aux
 
   norms, losses, aux = per_example.per_unit_norms(unit_loss_fn, params, units)
-
-  def fast():
-    factors = clip_factors(norms, l2_norm_clip)
-    grads = reweighted_gradient(batch_unit_losses_fn, params, factors)
-    return _summary(grads, norms, factors < 1.0, tf.math.is_finite(norms))
-
-  def exact():
-    grads, _, _ = per_example.per_unit_gradients(unit_loss_fn, params, units)
-    return materialized_clipped_sum(grads, l2_norm_clip)
-
-  result = tf.cond(tf.reduce_all(tf.math.is_finite(norms)), fast, exact)
-  return ClippedSum(*result), losses, aux
+  ok = tf.math.is_finite(norms)
+  factors = clip_factors(norms, l2_norm_clip)
+  positions = tf.range(tf.shape(norms)[0])
+  stand_in = tf.argmax(tf.cast(ok, tf.int32), output_type=positions.dtype)
+  indices = tf.where(ok, positions, stand_in)
+  grads = reweighted_gradient(
+      lambda p: batch_unit_losses_fn(p, indices), params, factors)
+  # Every unit non-finite: the stand-in is non-finite too; the sum is zero.
+  any_ok = tf.reduce_any(ok)
+  grads = [tf.where(any_ok, g, tf.zeros_like(g)) for g in grads]
+  result = _summary(grads, norms, factors < 1.0, ok)
+  return result, losses, aux
 
 
 def _summary(grads, norms, was_clipped, ok):

@@ -4,9 +4,10 @@ The private train step needs three things Keras 3 does not expose publicly:
 the compiled loss (to evaluate it on one unit at a time), the loss tracker
 (so that ``loss`` in the logs means what it means in plain Keras) and the
 random-seed generators of stochastic layers (to give every example its own
-dropout mask). ``tests/test_keras_compat.py`` fails loudly if a Keras release
+dropout mask). ``tests/test_training.py`` fails loudly if a Keras release
 renames any of them.
 """
+import keras
 
 
 def compiled_loss(model):
@@ -17,6 +18,25 @@ def compiled_loss(model):
         "The model was compiled without a loss. The private train step needs "
         "`model.compile(loss=...)`: the loss is evaluated on each example to "
         "clip its gradient.")
+  return loss
+
+
+def example_loss_fn(model):
+  """``(y_true, y_pred) -> per-example values`` for a single-output model
+  compiled with a single loss, or ``None`` (several outputs or losses).
+
+  Uses the public ``model.loss`` (what was passed to compile): a Loss object's
+  unreduced ``call`` or a loss function. Sample weights and the reduction are
+  applied by the private train step itself.
+  """
+  loss = model.loss
+  if isinstance(loss, (list, tuple)) and len(loss) == 1:
+    loss = loss[0]
+  if loss is None or isinstance(loss, (dict, list, tuple)):
+    return None
+  loss = keras.losses.get(loss)
+  if isinstance(loss, keras.losses.Loss):
+    return loss.call
   return loss
 
 

@@ -35,13 +35,31 @@ def _batch_size(x):
   return tf.shape(first)[0]
 
 
+def _per_example_values(example_loss, y, y_pred):
+  """The loss of every example: unreduced values, averaged over non-batch axes."""
+  values = example_loss(y, y_pred)
+  rank = values.shape.rank
+  if rank == 0:
+    raise ValueError(
+        "The loss returned a single (reduced) value for the whole batch; "
+        "private training needs one value per example to clip each "
+        "example's gradient. Use a Keras loss (string or keras.losses.Loss) "
+        "or a function that returns per-example values without averaging "
+        "over the batch.")
+  if rank > 1:  # e.g. per-timestep losses: Keras averages them too
+    values = tf.reduce_mean(values, axis=list(range(1, rank)))
+  return values
+
+
 def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
                          num_microbatches=None):
   """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
 
-  Units are examples (``num_microbatches=None``) or M equal microbatches; a
-  unit's loss is the compiled loss on its examples (with sample weights and
-  any ``add_loss``/regularization losses of that forward pass).
+  Units are examples (``num_microbatches=None``) or M equal microbatches. A
+  unit's loss is the mean over its examples of (sample weight × per-example
+  loss) — the loss ``model.fit`` reports — plus any ``add_loss`` or
+  regularization losses of that unit's forward pass. The loss's own
+  ``reduction`` is not used.
 
   Stochastic layers (Dropout, GaussianNoise, ...) draw one set of random
   values per step, shared by the units of the batch: random ops with a
@@ -51,42 +69,53 @@ def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
     ``(ClippedSum, unit_losses [U], y_pred)`` with ``y_pred`` the batch's
     predictions in the original example order.
   """
-  compiled_loss = _compat.compiled_loss(model)
   non_trainable = [v.value for v in model.non_trainable_variables]
-  stochastic = bool(_compat.seed_generators(model))
   params = [v.value for v in model.trainable_variables]
   batch_size = _batch_size(x)
   if sample_weight is None:
     sample_weight = tf.ones([batch_size], dtype=keras.backend.floatx())
+  example_loss = _compat.example_loss_fn(model)
+  if len(tf.nest.flatten(y)) != 1:
+    example_loss = None  # several outputs: evaluate the compiled loss per unit
+  compiled_loss = _compat.compiled_loss(model)
 
-  def forward(params, inputs, non_trainable):
+  def forward(params, inputs):
     y_pred, _, losses = model.stateless_call(
         params, non_trainable, inputs, training=True, return_losses=True)
     return y_pred, losses
 
+  def weighted_mean_loss(uy, y_pred, uw):
+    if example_loss is None:
+      return compiled_loss(uy, y_pred, uw)
+    values = _per_example_values(example_loss, uy, y_pred)
+    return tf.reduce_mean(tf.cast(uw, values.dtype) * values)
+
   def unit_loss_fn(params, unit):
     ux, uy, uw = unit
-    y_pred, losses = forward(params, ux, non_trainable)
-    loss = compiled_loss(uy, y_pred, uw)
+    y_pred, losses = forward(params, ux)
+    loss = weighted_mean_loss(uy, y_pred, uw)
     if losses:
       loss += tf.add_n([tf.cast(l, loss.dtype) for l in losses])
     return loss, y_pred
 
-  def batch_unit_losses_fn(params):
-    y_pred, _ = forward(params, x, non_trainable)
-    units_pred = per_example.split_microbatches(y_pred, num_microbatches)
-    _, uy, uw = units
-    return tf.vectorized_map(lambda u: compiled_loss(*u), (uy, units_pred, uw),
-                             fallback_to_while_loop=False)
-
   units = per_example.split_microbatches((x, y, sample_weight),
                                          num_microbatches)
+
+  def batch_unit_losses_fn(params, indices):
+    ux, uy, uw = tf.nest.map_structure(lambda t: tf.gather(t, indices), units)
+    y_pred, _ = forward(params, per_example.merge_microbatches(ux))
+    values = _per_example_values(
+        example_loss, per_example.merge_microbatches(uy), y_pred)
+    values = tf.reshape(values, tf.shape(uw)) * tf.cast(uw, values.dtype)
+    return tf.reduce_mean(values, axis=1)
+
   # The re-weighted backward pass is exact only if the batched forward pass
   # gives every unit the loss the per-unit pass gave it: no randomness, no
-  # extra (add_loss / regularization) losses.
+  # extra (add_loss / regularization) losses, one per-example loss function.
   probe = tf.nest.map_structure(lambda t: t[:1], x)
-  _, extra_losses = forward(params, probe, non_trainable)
-  reweight = not stochastic and not extra_losses
+  _, extra_losses = forward(params, probe)
+  reweight = (example_loss is not None and not extra_losses
+              and not _compat.seed_generators(model))
   result, unit_losses, y_pred = clipping.clipped_gradient_sum(
       unit_loss_fn, batch_unit_losses_fn if reweight else None, params, units,
       l2_norm_clip)

@@ -1,0 +1,228 @@
+"""The private Keras 3 train step, end to end."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpadambc as dp
+from tf_dpadambc.keras import _compat
+
+N, D, K = 256, 12, 3
+
+
+def _data(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(N, D)).astype("float32")
+  y = (np.argmax(x[:, :K], axis=1)).astype("int32")
+  return x, y
+
+
+def _model(dropout=False, regularizer=None):
+  layers = [keras.Input((D,)),
+            keras.layers.Dense(16, activation="tanh",
+                               kernel_regularizer=regularizer)]
+  if dropout:
+    layers.append(keras.layers.Dropout(0.2))
+  layers.append(keras.layers.Dense(K))
+  return keras.Sequential(layers)
+
+
+def _loss():
+  return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def test_plain_model_with_dp_optimizer_raises_on_first_step():
+  x, y = _data()
+  model = _model()
+  model.compile(optimizer=dp.DPAdamBC(1.0, 1.0), loss=_loss())
+  with pytest.raises(RuntimeError, match="make_private"):
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_private_model_with_plain_optimizer_raises():
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer="adam", loss=_loss())
+  with pytest.raises(TypeError, match="not a differentially private"):
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_batch_normalization_is_refused():
+  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(4),
+                            keras.layers.BatchNormalization(),
+                            keras.layers.Dense(K)])
+  with pytest.raises(ValueError, match="GroupNormalization"):
+    dp.make_private(model)
+
+
+def test_microbatches_not_dividing_the_batch_raise():
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0, num_microbatches=5),
+                loss=_loss())
+  with pytest.raises(Exception, match="num_microbatches|reshape|Input to reshape"):
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def _per_example_reference(model, x, y, w, clip):
+  """Σ_i clip(∇ w_i ℓ_i) by a Python loop over examples with GradientTape."""
+  total = [np.zeros(v.shape, "float64") for v in model.trainable_variables]
+  for i in range(len(x)):
+    with tf.GradientTape() as tape:
+      loss = w[i] * _loss()(y[i:i + 1], model(x[i:i + 1], training=True))
+      loss += sum(model.losses) if model.losses else 0.0
+    g = [t.numpy() for t in tape.gradient(loss, model.trainable_variables)]
+    norm = np.sqrt(sum(np.sum(t.astype("float64") ** 2) for t in g))
+    f = min(1.0, clip / max(norm, 1e-30))
+    total = [a + f * t for a, t in zip(total, g)]
+  return total
+
+
+@pytest.mark.parametrize("regularizer", [None, "l2"])
+def test_private_gradient_sum_equals_loop_reference(regularizer):
+  x, y = _data()
+  x, y = x[:16], y[:16]
+  w = np.linspace(0.0, 2.0, 16).astype("float32")  # sample weights, one zero
+  model = _model(regularizer=regularizer)
+  model.compile(loss=_loss())
+  result, losses, y_pred = tf.function(
+      lambda: dp.private_gradient_sum(model, x, y, w, 0.3))()
+  want = _per_example_reference(model, x, y, w, 0.3)
+  for got, ref in zip(result.grads, want):
+    np.testing.assert_allclose(got.numpy(), ref, rtol=2e-4, atol=1e-6)
+  assert y_pred.shape == (16, K)
+  np.testing.assert_allclose(y_pred.numpy(), model(x).numpy(), rtol=1e-5,
+                             atol=1e-6)
+  assert losses.shape == (16,)
+
+
+def test_nonfinite_example_is_zeroed_and_counted():
+  x, y = _data()
+  x[3, 0] = np.nan
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 0.5, learning_rate=0.1),
+                loss=_loss(), jit_compile=True)
+  history = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  assert history.history["dp_nonfinite_examples"][-1] == 1.0
+  for v in model.trainable_variables:
+    assert np.all(np.isfinite(v.numpy()))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fit_trains_with_metrics_validation_and_string_loss(jit):
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(
+      optimizer=dp.DPAdamBC(1.0, 0.3, learning_rate=3e-3, gamma_prime=1e-6),
+      loss="sparse_categorical_crossentropy" if not jit else _loss(),
+      metrics=["accuracy"], jit_compile=jit)
+  if not jit:  # the string loss wants probabilities
+    model = dp.make_private(keras.Sequential(
+        [keras.Input((D,)), keras.layers.Dense(16, activation="tanh"),
+         keras.layers.Dense(K, activation="softmax")]))
+    model.compile(
+        optimizer=dp.DPAdamBC(1.0, 0.3, learning_rate=3e-3,
+                              gamma_prime=1e-6),
+        loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+  before = model.evaluate(x, y, verbose=0, return_dict=True)["loss"]
+  history = model.fit(x, y, batch_size=32, epochs=6, verbose=0,
+                      validation_data=(x[:64], y[:64]))
+  logs = history.history
+  assert {"loss", "accuracy", "val_loss", "val_accuracy",
+          "dp_clipped_fraction", "dp_nonfinite_examples"} <= set(logs)
+  assert "val_dp_clipped_fraction" not in logs
+  assert logs["loss"][-1] < before
+  assert model.optimizer.steps_taken == 6 * N // 32
+  assert 0.0 <= logs["dp_clipped_fraction"][-1] <= 1.0
+
+
+def test_dropout_model_trains_through_the_materialized_path():
+  x, y = _data()
+  model = dp.make_private(_model(dropout=True))
+  model.compile(optimizer=dp.DPAdam(1.0, 0.5, learning_rate=1e-2),
+                loss=_loss(), jit_compile=True)
+  state = [sg.state.numpy().copy() for sg in _compat.seed_generators(model)]
+  model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+  after = [sg.state.numpy() for sg in _compat.seed_generators(model)]
+  assert state and all(np.any(a != b) for a, b in zip(after, state))
+
+
+def test_optimizer_reports_its_dp_event_and_statement():
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.2, gradient_accumulation_steps=2),
+                loss=_loss())
+  model.fit(x, y, batch_size=32, epochs=2, verbose=0)
+  opt = model.optimizer
+  assert opt.steps_taken == 2 * N // 64
+  assert opt.logical_batch_size == 64
+  eps = dp.epsilon_of_event(opt.dp_event(N), 1e-5)
+  assert eps == pytest.approx(dp.compute_epsilon(N, 64, 2, 1.2, 1e-5))
+  text = dp.optimizer_privacy_statement(opt, N, 1e-5)
+  assert f"ε = {eps:.3f} with Poisson" in text
+
+
+def test_microbatched_training_is_accounted_with_half_sigma():
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.2, num_microbatches=8),
+                loss=_loss())
+  model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  assert model.optimizer.effective_noise_multiplier == pytest.approx(0.6)
+
+
+def test_privacy_budget_callback_logs_and_stops():
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 0.8), loss=_loss())
+  target = 8.0
+  budget = dp.PrivacyBudget(N, 1e-5, target_epsilon=target, verbose=0)
+  history = model.fit(x, y, batch_size=32, epochs=20, verbose=0,
+                      callbacks=[budget])
+  logged = history.history["epsilon"]
+  epochs = len(logged)
+  assert 1 <= epochs < 20
+  for e, eps in enumerate(logged, start=1):
+    assert eps == pytest.approx(dp.compute_epsilon(N, 32, e, 0.8, 1e-5),
+                                rel=1e-6)
+  assert logged[-1] <= target  # stopped within budget...
+  assert dp.compute_epsilon(N, 32, epochs + 1, 0.8, 1e-5) > target  # ...in time
+
+
+def test_save_load_continue_equals_uninterrupted(tmp_path):
+  x, y = _data()
+
+  def build():
+    keras.utils.set_random_seed(7)
+    model = dp.make_private(_model())
+    model.compile(optimizer=dp.DPAdamBC(1.0, 1.0, learning_rate=1e-3,
+                                        gradient_accumulation_steps=3,
+                                        seed=99),
+                  loss=_loss(), metrics=["accuracy"])
+    return model
+
+  straight = build()
+  straight.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0)
+
+  first = build()
+  first.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+  path = str(tmp_path / "mid.keras")
+  first.save(path)
+  resumed = keras.models.load_model(path)
+  assert type(resumed.optimizer) is dp.DPAdamBC
+  assert not dp.is_private(resumed)
+  resumed = dp.make_private(resumed)
+  resumed.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+  assert resumed.optimizer.steps_taken == straight.optimizer.steps_taken
+  for a, b in zip(resumed.get_weights(), straight.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_private_attributes_still_exist():
+  # _compat relies on these; a Keras release that renames them must fail here.
+  model = _model(dropout=True)
+  model.compile(optimizer="adam", loss=_loss())
+  assert callable(_compat.compiled_loss(model))
+  assert isinstance(_compat.loss_tracker(model), keras.metrics.Mean)
+  assert len(_compat.seed_generators(model)) == 1
+  assert model in _compat.flatten_layers(model)
