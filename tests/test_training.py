@@ -226,3 +226,38 @@ def test_keras_private_attributes_still_exist():
   assert isinstance(_compat.loss_tracker(model), keras.metrics.Mean)
   assert len(_compat.seed_generators(model)) == 1
   assert model in _compat.flatten_layers(model)
+
+
+def test_reduced_loss_is_refused():
+  x, y = _data()
+
+  def batch_mean_loss(y_true, y_pred):
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+        y_true, y_pred, from_logits=True))
+
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0), loss=batch_mean_loss)
+  with pytest.raises(ValueError, match="one value per example"):
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_loss_object_reduction_does_not_change_the_private_gradient():
+  # The DP step defines its own aggregation (mean over each unit, clipped
+  # sum / B); a user loss's reduction must not change what gets clipped.
+  x, y = _data()
+  x, y = x[:8], y[:8]
+  sums = []
+  for reduction in ("sum_over_batch_size", "sum", None):
+    model = _model()
+    model.set_weights(_model_weights)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction))
+    result, _, _ = dp.private_gradient_sum(model, x, y, None, 0.5)
+    sums.append([g.numpy() for g in result.grads])
+  for other in sums[1:]:
+    for a, b in zip(sums[0], other):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+keras.utils.set_random_seed(0)
+_model_weights = _model().get_weights()
