@@ -138,6 +138,13 @@ def _dp_train_step(self, data):
         f"compiled with {optimizer.__class__.__name__}, which is not a "
         "differentially private optimizer. Compile it with one of "
         "tf_dpadambc's optimizers (DPSGD, DPAdam, DPAdamBC, ...).")
+  if self.distribute_strategy.num_replicas_in_sync > 1:
+    # Each replica would add its own noise and normalise by its own batch:
+    # neither the noise std nor the accounting would be what they claim.
+    raise NotImplementedError(
+        "Private training under a tf.distribute strategy with "
+        f"{self.distribute_strategy.num_replicas_in_sync} replicas is not "
+        "supported yet: train on one device (no strategy scope).")
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   result, unit_losses, y_pred = private_gradient_sum(
       self, x, y, sample_weight, optimizer.l2_norm_clip,
