@@ -34,9 +34,9 @@ def load_mnist1d(seed=42):
   NumPy's global random state (``mnist1d`` calls ``np.random.seed``); the
   previous state is restored afterwards.
   """
-  try:
-    from mnist1d.data import get_dataset_args  # pylint: disable=g-import-not-at-top
-    from mnist1d.data import make_dataset  # pylint: disable=g-import-not-at-top
+  try:  # optional dependency, imported only when needed
+    from mnist1d.data import get_dataset_args
+    from mnist1d.data import make_dataset
   except ImportError as e:
     raise ImportError("load_mnist1d needs the 'mnist1d' package. "
                       + _EXTRAS_HINT) from e
@@ -57,9 +57,9 @@ def load_digits(seed=0, test_fraction=0.25):
   A stratified train/test split with a fixed ``seed``: 1,347 train / 450 test
   with the defaults.
   """
-  try:
-    from sklearn import datasets as sk_datasets  # pylint: disable=g-import-not-at-top
-    from sklearn import model_selection  # pylint: disable=g-import-not-at-top
+  try:  # optional dependency, imported only when needed
+    from sklearn import datasets as sk_datasets
+    from sklearn import model_selection
   except ImportError as e:
     raise ImportError("load_digits needs scikit-learn. " + _EXTRAS_HINT) from e
   digits = sk_datasets.load_digits()
@@ -76,7 +76,7 @@ def load_mnist():
   ``x`` has shape ``[N, 28, 28]`` scaled to [0, 1]: 60,000 train / 10,000
   test. Not used by default.
   """
-  import keras  # pylint: disable=g-import-not-at-top
+  import keras
   (x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
   return _as_dataset(x_train / 255.0, y_train, x_test / 255.0, y_test,
                      "mnist")

@@ -11,7 +11,50 @@ a list of parameter tensors and one unit's data (a nested structure whose
 leading dimension is the unit's examples) returning the unit's scalar loss and
 any auxiliary outputs (predictions, per-example losses) to stack.
 """
+import contextlib
+import logging
+import re
+import warnings
+
 import tensorflow as tf
+
+
+class _LoopedOps(logging.Filter):
+  """Collects TensorFlow's per-op 'uses a while_loop' vectorization warnings."""
+
+  def __init__(self):
+    super().__init__()
+    self.ops = set()
+
+  def filter(self, record):
+    match = re.match(r"(\w+) uses a while_loop", record.getMessage())
+    if match:
+      self.ops.add(match.group(1))
+      return False
+    return True
+
+
+@contextlib.contextmanager
+def _report_looped_ops():
+  """One clear warning instead of TensorFlow's one line per converted op.
+
+  Some pfor converters (e.g. Conv2DBackpropFilter, the per-example gradient of
+  a convolution kernel) loop internally even with
+  ``fallback_to_while_loop=False``. That is correct but slower: say so once.
+  """
+  looped = _LoopedOps()
+  logger = tf.get_logger()
+  logger.addFilter(looped)
+  try:
+    yield
+  finally:
+    logger.removeFilter(looped)
+    if looped.ops:
+      warnings.warn(
+          "tf.vectorized_map computes the per-example gradients of "
+          f"{', '.join(sorted(looped.ops))} with an internal while_loop "
+          "(TensorFlow's vectorization rule for that op): correct, but "
+          "those layers cost more per step than the rest.", stacklevel=3)
 
 
 def split_microbatches(batch, num_microbatches):
@@ -64,9 +107,10 @@ def per_unit_gradients(unit_loss_fn, params, units):
   Memory is U x (model size): use it where it is needed (non-finite
   gradients, stochastic layers); :func:`per_unit_norms` avoids storing it.
   """
-  return tf.vectorized_map(
-      lambda unit: _unit_gradient(unit_loss_fn, params, unit), units,
-      fallback_to_while_loop=False)
+  with _report_looped_ops():
+    return tf.vectorized_map(
+        lambda unit: _unit_gradient(unit_loss_fn, params, unit), units,
+        fallback_to_while_loop=False)
 
 
 def per_unit_norms(unit_loss_fn, params, units):
@@ -78,7 +122,8 @@ def per_unit_norms(unit_loss_fn, params, units):
   def unit_norm(unit):
     grads, loss, aux = _unit_gradient(unit_loss_fn, params, unit)
     return tf.sqrt(_sum_of_squares(grads)), loss, aux
-  return tf.vectorized_map(unit_norm, units, fallback_to_while_loop=False)
+  with _report_looped_ops():
+    return tf.vectorized_map(unit_norm, units, fallback_to_while_loop=False)
 
 
 def _sum_of_squares(tensors):
