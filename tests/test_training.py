@@ -273,3 +273,27 @@ def test_multi_replica_strategy_is_refused():
     model.compile(optimizer=dp.DPSGD(1.0, 1.0), loss=_loss())
   with pytest.raises(NotImplementedError, match="replicas"):
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
+def test_multi_output_model_clips_through_the_compiled_loss():
+  # Two outputs and two losses: the compiled loss is evaluated per example
+  # (materialized path). Σ_u clip_C(g_u) can have norm at most U·C, and with
+  # a tiny C every unit is clipped to exactly C.
+  x, y = _data()
+  x, y = x[:16], y[:16]
+  inputs = keras.Input((D,))
+  h = keras.layers.Dense(8, activation="tanh")(inputs)
+  model = keras.Model(inputs, [keras.layers.Dense(K, name="a")(h),
+                               keras.layers.Dense(1, name="b")(h)])
+  model.compile(loss=[_loss(), "mse"])
+  targets = (y, x[:, :1])
+  result, losses, _ = tf.function(
+      lambda: dp.private_gradient_sum(model, x, targets, None, 1e-4))()
+  norm = np.sqrt(sum(np.sum(g.numpy() ** 2) for g in result.grads))
+  assert 0 < norm <= 16 * 1e-4 * (1 + 1e-5)
+  assert int(result.num_clipped) == 16
+  assert losses.shape == (16,)
+  fit_model = dp.make_private(model)
+  fit_model.compile(optimizer=dp.DPAdam(1.0, 0.5), loss=[_loss(), "mse"])
+  fit_model.fit(x, targets, batch_size=8, epochs=1, verbose=0)
+  assert all(np.all(np.isfinite(w)) for w in fit_model.get_weights())
