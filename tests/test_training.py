@@ -297,3 +297,66 @@ def test_multi_output_model_clips_through_the_compiled_loss():
   fit_model.compile(optimizer=dp.DPAdam(1.0, 0.5), loss=[_loss(), "mse"])
   fit_model.fit(x, targets, batch_size=8, epochs=1, verbose=0)
   assert all(np.all(np.isfinite(w)) for w in fit_model.get_weights())
+
+
+def _contribution_norms(model, x, y, w, clip):
+  """‖Σ_u clip(g_u)‖ of the whole batch and of every leave-one-out batch."""
+  full, _, _ = dp.private_gradient_sum(model, x, y, w, clip)
+  out = []
+  for i in range(len(x)):
+    keep = np.arange(len(x)) != i
+    part, _, _ = dp.private_gradient_sum(
+        model, x[keep], y[keep], None if w is None else w[keep], clip)
+    out.append(np.sqrt(sum(np.sum((a.numpy() - b.numpy()) ** 2)
+                           for a, b in zip(full.grads, part.grads))))
+  return full, np.array(out)
+
+
+def test_sample_weights_of_shape_b1_stay_clipped():
+  x, y = _data()
+  x, y = x[:8], y[:8]
+  w = np.full((8, 1), 3.0, "float32")
+  model = _model()
+  model.compile(loss=_loss())
+  full, contributions = _contribution_norms(model, x, y, w, 0.05)
+  assert bool(full.reweighted)
+  # Removing one example changes the clipped sum by at most C.
+  assert np.all(contributions <= 0.05 * (1 + 1e-4)), contributions
+  with pytest.raises(ValueError, match="one sample weight per example"):
+    dp.private_gradient_sum(model, x, y, np.ones((8, 2), "float32"), 1.0)
+
+
+class _BatchCentering(keras.layers.Layer):
+  """Subtracts the batch mean: the output of one example depends on others."""
+
+  def call(self, inputs):
+    return inputs - keras.ops.mean(inputs, axis=0, keepdims=True)
+
+
+class _UnseededNoise(keras.layers.Layer):
+  """Randomness that Keras does not track (no SeedGenerator)."""
+
+  def call(self, inputs, training=False):
+    return inputs + tf.random.normal(tf.shape(inputs)) if training else inputs
+
+
+@pytest.mark.parametrize("layer", [_BatchCentering, _UnseededNoise])
+def test_batch_dependent_forward_falls_back_to_the_exact_path(layer):
+  x, y = _data()
+  x, y = x[:8], y[:8]
+  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(6), layer(),
+                            keras.layers.Dense(K)])
+  model.compile(loss=_loss())
+  result, _, _ = dp.private_gradient_sum(model, x, y, None, 1e-3)
+  assert not bool(result.reweighted)
+  norm = np.sqrt(sum(np.sum(g.numpy() ** 2) for g in result.grads))
+  assert norm <= 8 * 1e-3 * (1 + 1e-5)
+  assert int(result.num_clipped) == 8
+
+
+def test_plain_model_uses_the_reweighted_pass():
+  x, y = _data()
+  model = _model()
+  model.compile(loss=_loss())
+  result, _, _ = dp.private_gradient_sum(model, x[:8], y[:8], None, 1.0)
+  assert bool(result.reweighted)

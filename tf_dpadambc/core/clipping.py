@@ -24,13 +24,16 @@ import tensorflow as tf
 from tf_dpadambc.core import per_example
 
 ClippedSum = collections.namedtuple(
-    "ClippedSum", ["grads", "norms", "num_clipped", "num_nonfinite"])
+    "ClippedSum",
+    ["grads", "norms", "num_clipped", "num_nonfinite", "reweighted"])
 ClippedSum.__doc__ = """Σ_u clip_C(g_u) with what the clipping did.
 
 grads: list of tensors shaped like the parameters, Σ_u clip_C(g_u).
 norms: [U] per-unit gradient norms before clipping (inf/nan where not finite).
 num_clipped: number of units with ‖g_u‖ > C (scaled down).
 num_nonfinite: number of units whose gradient was not finite (zeroed).
+reweighted: whether the sum came from the re-weighted backward pass (True)
+  or from materialized per-unit gradients (False).
 """
 
 
@@ -100,13 +103,17 @@ def reweighted_gradient(batch_unit_losses_fn, params, weights):
   weights = tf.stop_gradient(weights)
   with tf.GradientTape() as tape:
     tape.watch(params)
-    total = tf.reduce_sum(weights * batch_unit_losses_fn(params))
-  return tape.gradient(
+    losses = batch_unit_losses_fn(params)
+    # A [U, 1] against [U] would broadcast to U x U and sum unclipped terms.
+    losses.shape.assert_is_compatible_with(weights.shape)
+    total = tf.reduce_sum(weights * losses)
+  grads = tape.gradient(
       total, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  return grads, losses
 
 
 def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
-                         l2_norm_clip):
+                         l2_norm_clip, rtol=1e-4):
   """Σ_u clip_C(g_u) for the units of one batch, and the forward outputs.
 
   Args:
@@ -119,21 +126,23 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
     params: list of parameter tensors.
     units: nested structure of tensors with leading axis U.
     l2_norm_clip: C > 0.
+    rtol: how closely the batched losses must match the per-unit ones.
 
   Returns:
     ``(ClippedSum, unit_losses [U], aux stacked over units)``.
 
-  In the re-weighted pass a unit whose norm is not finite gets weight 0 and
-  the data of a finite unit, so its non-finite values cannot reach the sum
-  (0 · nan is nan in a backward pass). Norms that overflow float32
-  (‖g‖ ≳ 1e19) count as non-finite there; the materialized path clips them
-  exactly. No ``tf.cond``: a conditional around the backward pass makes XLA
-  treat the weights as compile-time constants and recompile every step.
+  The re-weighted pass is used only if it reproduces every unit's loss of
+  the per-unit pass (relative tolerance ``rtol``): anything that makes the
+  batched pass differ (a layer or loss mixing examples, unseeded randomness)
+  sends the step through the materialized path, so the clipping bound holds
+  either way. In the re-weighted pass a unit whose norm is not finite gets
+  weight 0 and the data of a finite unit, so its non-finite values cannot
+  reach the sum (0 · nan is nan in a backward pass). Norms that overflow
+  float32 (‖g‖ ≳ 1e19) count as non-finite there; the materialized path
+  clips them exactly.
   """
   if batch_unit_losses_fn is None:
-    grads, losses, aux = per_example.per_unit_gradients(
-        unit_loss_fn, params, units)
-    return materialized_clipped_sum(grads, l2_norm_clip), losses, aux
+    return _materialized(unit_loss_fn, params, units, l2_norm_clip)
 
   norms, losses, aux = per_example.per_unit_norms(unit_loss_fn, params, units)
   ok = tf.math.is_finite(norms)
@@ -141,19 +150,33 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
   positions = tf.range(tf.shape(norms)[0])
   stand_in = tf.argmax(tf.cast(ok, tf.int32), output_type=positions.dtype)
   indices = tf.where(ok, positions, stand_in)
-  grads = reweighted_gradient(
+  grads, batch_losses = reweighted_gradient(
       lambda p: batch_unit_losses_fn(p, indices), params, factors)
+  expected = tf.gather(losses, indices)
+  same = tf.reduce_all(tf.abs(batch_losses - expected)
+                       <= rtol * tf.abs(expected) + 1e-6)
   # Every unit non-finite: the stand-in is non-finite too; the sum is zero.
   any_ok = tf.reduce_any(ok)
   grads = [tf.where(any_ok, g, tf.zeros_like(g)) for g in grads]
-  result = _summary(grads, norms, factors < 1.0, ok)
-  return result, losses, aux
+  fast = _summary(grads, norms, factors < 1.0, ok, reweighted=True)
+  result = tf.cond(
+      same & any_ok, lambda: tuple(fast),
+      lambda: tuple(_materialized(unit_loss_fn, params, units,
+                                  l2_norm_clip)[0]))
+  return ClippedSum(*result), losses, aux
 
 
-def _summary(grads, norms, was_clipped, ok):
+def _materialized(unit_loss_fn, params, units, l2_norm_clip):
+  grads, losses, aux = per_example.per_unit_gradients(
+      unit_loss_fn, params, units)
+  return materialized_clipped_sum(grads, l2_norm_clip), losses, aux
+
+
+def _summary(grads, norms, was_clipped, ok, reweighted=False):
   num_clipped = tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32))
   num_nonfinite = tf.reduce_sum(tf.cast(~ok, tf.int32))
-  return ClippedSum(list(grads), norms, num_clipped, num_nonfinite)
+  return ClippedSum(list(grads), norms, num_clipped, num_nonfinite,
+                    tf.constant(reweighted))
 
 
 def _expand_as(per_unit, t):

@@ -51,6 +51,21 @@ def _per_example_values(example_loss, y, y_pred):
   return values
 
 
+def _per_example_weights(sample_weight, batch_size):
+  """Sample weights as a [B] vector (one weight per example)."""
+  if sample_weight is None:
+    return tf.ones([batch_size], dtype=keras.backend.floatx())
+  sample_weight = tf.convert_to_tensor(sample_weight)
+  if sample_weight.shape.rank == 2 and sample_weight.shape[-1] == 1:
+    sample_weight = tf.squeeze(sample_weight, axis=-1)
+  if sample_weight.shape.rank != 1:
+    raise ValueError(
+        "Private training supports one sample weight per example (shape "
+        f"[batch] or [batch, 1]); got shape {sample_weight.shape}. "
+        "Per-timestep weights are not supported yet.")
+  return sample_weight
+
+
 def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
                          num_microbatches=None):
   """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
@@ -72,8 +87,7 @@ def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
   non_trainable = [v.value for v in model.non_trainable_variables]
   params = [v.value for v in model.trainable_variables]
   batch_size = _batch_size(x)
-  if sample_weight is None:
-    sample_weight = tf.ones([batch_size], dtype=keras.backend.floatx())
+  sample_weight = _per_example_weights(sample_weight, batch_size)
   example_loss = _compat.example_loss_fn(model)
   if len(tf.nest.flatten(y)) != 1:
     example_loss = None  # several outputs: evaluate the compiled loss per unit
@@ -110,8 +124,10 @@ def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
     return tf.reduce_mean(values, axis=1)
 
   # The re-weighted backward pass is exact only if the batched forward pass
-  # gives every unit the loss the per-unit pass gave it: no randomness, no
-  # extra (add_loss / regularization) losses, one per-example loss function.
+  # gives every unit the loss the per-unit pass gave it. Known exceptions
+  # (stochastic layers, add_loss / regularization losses, several losses)
+  # skip it; anything else is caught at run time by clipped_gradient_sum,
+  # which compares the two passes' losses.
   probe = tf.nest.map_structure(lambda t: t[:1], x)
   _, extra_losses = forward(params, probe)
   reweight = (example_loss is not None and not extra_losses
