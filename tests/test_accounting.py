@@ -19,18 +19,25 @@ def _direct(q, sigma, steps, delta, accountant):
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_epsilon_equals_direct_dp_accounting(accountant):
   eps = dp.compute_epsilon(60_000, 256, 3, 1.1, 1e-5, accountant=accountant)
-  want = _direct(256 / 60_000, 1.1, math.ceil(3 * 60_000 / 256), 1e-5,
+  # model.fit takes epochs · ceil(N/B) steps.
+  want = _direct(256 / 60_000, 1.1, 3 * math.ceil(60_000 / 256), 1e-5,
                  accountant)
   assert eps == pytest.approx(want, rel=1e-9)
 
 
 def test_matches_tf_privacy_reference_statement():
   # TF-Privacy's compute_dp_sgd_privacy_statement(60000, 256, 3, 1.1, 1e-5,
-  # used_microbatching=True) prints 18.950 (once per epoch) and 5.824 (Poisson).
+  # used_microbatching=True) prints 18.950 (once per epoch) and 5.824
+  # (Poisson, over ceil(3·60000/256) = 704 steps). We count the 705 steps
+  # model.fit takes (3 · ceil(60000/256)), one more: a slightly larger ε.
   text = dp.privacy_statement(60_000, 256, 3, 1.1, 1e-5,
                               used_microbatching=True)
-  assert "ε = 5.824 with Poisson" in text
   assert "ε = 18.950 if each example" in text
+  assert _direct(256 / 60_000, 0.55, 704, 1e-5, "rdp") == pytest.approx(
+      5.824, abs=5e-4)
+  poisson = _direct(256 / 60_000, 0.55, 705, 1e-5, "rdp")
+  assert f"ε = {poisson:.3f} with Poisson" in text
+  assert poisson > 5.824
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
@@ -50,6 +57,16 @@ def test_more_noise_less_epsilon_and_shuffle_costs_more():
   b = dp.compute_epsilon(5_000, 100, 4, 2.0, 1e-5)
   s = dp.compute_epsilon(5_000, 100, 4, 1.0, 1e-5, sampling="shuffle")
   assert b < a < s
+
+
+def test_steps_are_those_fit_takes():
+  # N = 1000, B = 300: fit runs 4 batches per epoch, 40 in 10 epochs.
+  eps = dp.compute_epsilon(1000, 300, 10, 1.0, 1e-5, sampling="shuffle")
+  assert eps == pytest.approx(dp.epsilon_of_event(
+      dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(1.0),
+                                        10), 1e-5))
+  assert dp.compute_epsilon(1000, 300, 10, 1.0, 1e-5) == pytest.approx(
+      _direct(0.3, 1.0, 40, 1e-5, "rdp"))
 
 
 def test_non_private_is_said_plainly():

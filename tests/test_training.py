@@ -195,8 +195,9 @@ def test_save_load_continue_equals_uninterrupted(tmp_path):
   def build():
     keras.utils.set_random_seed(7)
     model = dp.make_private(_model())
+    # 8 batches per epoch, k = 4: the save falls on a logical step.
     model.compile(optimizer=dp.DPAdamBC(1.0, 1.0, learning_rate=1e-3,
-                                        gradient_accumulation_steps=3,
+                                        gradient_accumulation_steps=4,
                                         seed=99),
                   loss=_loss(), metrics=["accuracy"])
     return model
@@ -216,6 +217,41 @@ def test_save_load_continue_equals_uninterrupted(tmp_path):
   assert resumed.optimizer.steps_taken == straight.optimizer.steps_taken
   for a, b in zip(resumed.get_weights(), straight.get_weights()):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unreleased_clipped_sums_are_not_saved(tmp_path):
+  # Mid-accumulation, the optimizer holds clipped sums without noise: they
+  # must not be written to a file that may be shared.
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0, gradient_accumulation_steps=3),
+                loss=_loss())
+  model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)  # 2 of 3
+  opt = model.optimizer
+  assert opt.steps_taken == 0
+  assert any(np.any(a.numpy() != 0) for a in opt._accumulated_sums)
+  path = str(tmp_path / "partial.keras")
+  model.save(path)
+  saved = {id(v) for v in opt._saved_variables()}
+  assert not saved & {id(v) for v in opt._accumulated_sums}
+  restored = keras.models.load_model(path)
+  restored.optimizer.build(restored.trainable_variables)
+  for acc in restored.optimizer._accumulated_sums:
+    assert not np.any(acc.numpy())
+  assert int(restored.optimizer._physical_step.numpy()) == 0
+
+
+def test_accumulation_spanning_epochs_is_accounted_with_half_sigma():
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.2, gradient_accumulation_steps=3),
+                loss=_loss())
+  model.fit(x, y, batch_size=32, epochs=3, verbose=0)  # 8 batches/epoch
+  opt = model.optimizer
+  assert opt.accounted_noise_multiplier(N) == pytest.approx(0.6)
+  # 24 batches = 8 logical steps over 3 epochs: 3 participations.
+  event = opt.dp_event(N, sampling="shuffle")
+  assert event.count == 3
 
 
 def test_keras_private_attributes_still_exist():

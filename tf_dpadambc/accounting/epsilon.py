@@ -30,8 +30,13 @@ def epsilon_of_event(event, delta, accountant="rdp"):
 
 
 def training_steps(num_examples, batch_size, epochs):
-  """ceil(epochs · N / B), the convention of TF-Privacy's accounting."""
-  return int(math.ceil(epochs * num_examples / batch_size))
+  """The steps ``model.fit`` takes: ceil(epochs · ceil(N / B)).
+
+  (TF-Privacy counts ceil(epochs · N / B), one step short per epoch when B
+  does not divide N.)
+  """
+  return int(math.ceil(epochs * events.batches_per_epoch(num_examples,
+                                                       batch_size) - 1e-9))
 
 
 def compute_epsilon(num_examples, batch_size, epochs, noise_multiplier, delta,

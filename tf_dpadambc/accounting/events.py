@@ -12,7 +12,7 @@ import dp_accounting
 SAMPLINGS = ("poisson", "shuffle")
 
 
-def steps_per_epoch(num_examples, batch_size):
+def batches_per_epoch(num_examples, batch_size):
   """ceil(N / B): how many batches make an epoch."""
   return int(math.ceil(num_examples / batch_size))
 
@@ -31,7 +31,7 @@ def _check(num_examples, batch_size, noise_multiplier, sampling):
 
 
 def dp_sgd_event(noise_multiplier, num_examples, batch_size, steps,
-                 sampling="poisson"):
+                 sampling="poisson", steps_per_epoch=None):
   """The DpEvent of ``steps`` private steps with batches of ``batch_size``.
 
   Args:
@@ -44,6 +44,8 @@ def dp_sgd_event(noise_multiplier, num_examples, batch_size, steps,
       ``"shuffle"``: each example is used once per epoch, the guarantee of one
       Gaussian mechanism per epoch with no amplification (what TF-Privacy
       reports for shuffled fixed-size batches).
+    steps_per_epoch: for ``"shuffle"``, logical steps per pass over the data
+      (may be fractional with gradient accumulation); default ceil(N / B).
 
   Returns:
     ``NonPrivateDpEvent`` when σ = 0; ``NoOpDpEvent`` for zero steps.
@@ -58,5 +60,7 @@ def dp_sgd_event(noise_multiplier, num_examples, batch_size, steps,
     return dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(batch_size / num_examples,
                                             gaussian), int(steps))
-  epochs = int(math.ceil(steps / steps_per_epoch(num_examples, batch_size)))
+  per_epoch = steps_per_epoch or batches_per_epoch(num_examples, batch_size)
+  # Every started pass over the data counts as one more participation.
+  epochs = int(math.ceil(steps / per_epoch - 1e-9))
   return dp_accounting.SelfComposedDpEvent(gaussian, epochs)

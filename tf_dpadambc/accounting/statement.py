@@ -12,21 +12,52 @@ def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
   Gives both figures TF-Privacy gives: Poisson sampling (each example in each
   step independently with probability B/N; the tighter, amplified figure) and
   each example once per epoch (shuffled fixed-size batches, what
-  ``model.fit`` does; no amplification is proven for it).
+  ``model.fit`` does; no amplification is proven for it). Steps are those
+  ``model.fit`` takes: epochs · ceil(N/B).
 
   ``used_microbatching=True`` accounts microbatches of several examples, whose
   sensitivity is 2C under add/remove adjacency (effective σ/2).
   """
   sigma = noise_multiplier / 2 if used_microbatching else noise_multiplier
   steps = epsilon_lib.training_steps(num_examples, batch_size, epochs)
+  def event(sampling):
+    return events.dp_sgd_event(sigma, num_examples, batch_size, steps,
+                               sampling)
+  return _format(num_examples, batch_size, steps, noise_multiplier, sigma,
+                 delta, accountant, event("poisson"), event("shuffle"))
+
+
+def optimizer_privacy_statement(optimizer, num_examples, delta,
+                                accountant="rdp", batch_size=None):
+  """The statement for the training a DP optimizer has performed so far.
+
+  Uses the optimizer's own DpEvents: its steps, logical batch size and
+  effective noise multiplier (microbatching, accumulation across epochs).
+  """
+  batch_size = batch_size or optimizer.logical_batch_size
+  if not batch_size:
+    raise ValueError("The optimizer has taken no private step yet; pass "
+                     "batch_size.")
+  def event(sampling):
+    return optimizer.dp_event(num_examples, batch_size, sampling)
+  return _format(num_examples, batch_size, optimizer.steps_taken,
+                 optimizer.noise_multiplier,
+                 optimizer.accounted_noise_multiplier(num_examples), delta,
+                 accountant, event("poisson"), event("shuffle"))
+
+
+def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
+            accountant, poisson_event, shuffle_event):
   lines = [
       "Differential privacy statement (tf_dpadambc)",
       f"  training examples N = {num_examples:,}, batch size B = {batch_size}"
-      f" (q = B/N = {batch_size / num_examples:.4g}), epochs = {epochs:g}, "
-      f"steps = {steps:,}",
+      f" (q = B/N = {batch_size / num_examples:.4g}), steps = {steps:,} "
+      f"({steps * batch_size / num_examples:.3g} epochs)",
       f"  noise multiplier σ = {noise_multiplier:g}"
-      + (" (microbatches of >1 example: sensitivity 2C, accounted as σ/2 = "
-         f"{sigma:g})" if used_microbatching else ""),
+      + (f" (accounted as σ = {sigma:g}: some steps can change by 2C when one "
+         "example is added or removed — microbatches of several examples, or "
+         "an accumulated batch spanning two epochs)"
+         if sigma < noise_multiplier else ""),
       f"  δ = {delta:g}; adjacency: adding or removing one training example; "
       f"accountant: {accountant.upper()} (dp_accounting)",
   ]
@@ -35,12 +66,8 @@ def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
         "  NOT PRIVATE: noise_multiplier = 0 adds no noise. The gradients were "
         "clipped, but no ε holds (ε = ∞).")
     return "\n".join(lines)
-  poisson = epsilon_lib.epsilon_of_event(
-      events.dp_sgd_event(sigma, num_examples, batch_size, steps, "poisson"),
-      delta, accountant)
-  shuffle = epsilon_lib.epsilon_of_event(
-      events.dp_sgd_event(sigma, num_examples, batch_size, steps, "shuffle"),
-      delta, accountant)
+  poisson = epsilon_lib.epsilon_of_event(poisson_event, delta, accountant)
+  shuffle = epsilon_lib.epsilon_of_event(shuffle_event, delta, accountant)
   lines += [
       f"  ε = {poisson:.3f} with Poisson sampling (each example joins each "
       "batch independently with probability q).",
@@ -48,26 +75,13 @@ def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
       "(shuffled fixed-size batches; no amplification by sampling assumed).",
       "  model.fit shuffles fixed-size batches: the second figure is the one "
       "proven for it; the first holds when batches are Poisson-sampled.",
-      "  The guarantee covers the model and everything computed from it. It "
-      "assumes each example is one individual's data (for users with several "
-      "examples, it protects examples, not users), that hyper-parameters were "
-      "not tuned on the private data, and that the noise seed stays secret.",
+      "  The guarantee covers the trained model and anything computed from "
+      "it. It does not cover the training logs (loss, metrics, the clipped "
+      "and non-finite counts are computed without noise). It assumes each "
+      "example is one individual's data (for users with several examples, "
+      "it protects examples, not users), that hyper-parameters were not "
+      "tuned on the private data, and that the noise seed stays secret.",
   ]
   if math.isinf(poisson):
     lines.append("  (ε is unbounded for these parameters.)")
   return "\n".join(lines)
-
-
-def optimizer_privacy_statement(optimizer, num_examples, delta,
-                                accountant="rdp", batch_size=None):
-  """The statement for the training a DP optimizer has performed so far."""
-  batch_size = batch_size or optimizer.logical_batch_size
-  if not batch_size:
-    raise ValueError("The optimizer has taken no private step yet; pass "
-                     "batch_size.")
-  epochs = optimizer.steps_taken * batch_size / num_examples
-  return privacy_statement(
-      num_examples, batch_size, epochs, optimizer.noise_multiplier, delta,
-      accountant,
-      used_microbatching=(optimizer.effective_noise_multiplier
-                          < optimizer.noise_multiplier))

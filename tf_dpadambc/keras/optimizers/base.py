@@ -130,6 +130,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._max_batch_examples = scalar("dp_max_batch_examples")
     self._max_batch_units = scalar("dp_max_batch_units")
     self._noise_variance = scalar("dp_noise_variance", "float32")
+    self._max_physical_examples = scalar("dp_max_physical_examples")
     if self.accumulation_steps > 1:
       self._accumulated_sums = self.add_optimizer_variables(
           variables, "dp_clipped_sum")
@@ -170,6 +171,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
       self.build(trainable_variables)
     num_units = tf.cast(num_units, tf.int64)
     num_examples = tf.cast(num_examples, tf.int64)
+    self._max_physical_examples.assign(
+        tf.maximum(self._max_physical_examples, num_examples))
     if self.accumulation_steps == 1:
       self._release(clipped_sum, num_units, num_examples, trainable_variables)
       return
@@ -216,15 +219,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
     A unit of one example has sensitivity C; a microbatch of several examples
     changes by up to 2C when one example is added or removed (its clipped mean
     can flip direction), which halves the effective σ — as TF-Privacy's
-    ``used_microbatching=True``.
+    ``used_microbatching=True``. Conservatively σ/2 whenever microbatching is
+    configured and no step has shown that units hold one example.
     """
-    if self.built and int(self._max_batch_units.numpy()) and (
-        int(self._max_batch_examples.numpy())
-        > int(self._max_batch_units.numpy())):
-      return self.noise_multiplier / 2
-    if not self.built and self.num_microbatches is not None:
-      return self.noise_multiplier / 2
-    return self.noise_multiplier
+    units = int(self._max_batch_units.numpy()) if self.built else 0
+    if units:
+      several = int(self._max_batch_examples.numpy()) > units
+    else:
+      several = self.num_microbatches is not None
+    return self.noise_multiplier / 2 if several else self.noise_multiplier
 
   @property
   def steps_taken(self):
@@ -252,10 +255,66 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
     return events.dp_sgd_event(
-        noise_multiplier=self.effective_noise_multiplier,
+        noise_multiplier=self.accounted_noise_multiplier(num_examples),
         num_examples=num_examples, batch_size=batch_size,
         steps=self.steps_taken if steps is None else steps,
-        sampling=sampling)
+        sampling=sampling,
+        steps_per_epoch=self.logical_steps_per_epoch(num_examples))
+
+  def accounted_noise_multiplier(self, num_examples):
+    """The σ the accounting uses for a training set of N examples.
+
+    :attr:`effective_noise_multiplier`, halved as well when gradient
+    accumulation's k does not divide the batches of an epoch: a logical step
+    can then span two epochs and hold the same example twice (sensitivity 2C).
+    """
+    sigma = self.effective_noise_multiplier
+    per_epoch = self.logical_steps_per_epoch(num_examples)
+    if per_epoch is not None and per_epoch != int(per_epoch):
+      sigma = min(sigma, self.noise_multiplier / 2)
+    return sigma
+
+  def logical_steps_per_epoch(self, num_examples):
+    """Logical steps per pass over the data: ceil(N / b) / k, b physical."""
+    physical = (int(self._max_physical_examples.numpy()) if self.built
+                else 0)
+    if not physical:
+      return None
+    return (events.batches_per_epoch(num_examples, physical)
+            / self.accumulation_steps)
+
+  # ----------------------------------------------------------- saving
+  def _accumulation_state(self):
+    if not self.built or self.accumulation_steps == 1:
+      return []
+    return list(self._accumulated_sums) + [
+        self._accumulated_units, self._accumulated_examples,
+        self._physical_step]
+
+  def _saved_variables(self):
+    unsaved = {id(v) for v in self._accumulation_state()}
+    return [v for v in self.variables if id(v) not in unsaved]
+
+  def save_own_variables(self, store):
+    """Saves the optimizer state except the accumulated clipped sums.
+
+    Those are not noised yet: writing them to a file that may be shared would
+    leak clipped gradients. A run restored mid-accumulation starts the
+    logical batch afresh (the partial sums are dropped, never released).
+    """
+    for i, variable in enumerate(self._saved_variables()):
+      store[str(i)] = variable.numpy()
+
+  def load_own_variables(self, store):
+    variables = self._saved_variables()
+    if len(store.keys()) != len(variables):
+      raise ValueError(
+          f"Cannot restore {self.name}: the file holds {len(store.keys())} "
+          f"variables, this optimizer has {len(variables)}.")
+    for i, variable in enumerate(variables):
+      variable.assign(store[str(i)])
+    for variable in self._accumulation_state():
+      variable.assign(tf.zeros_like(variable))
 
   # ---------------------------------------------------------- config
   def get_config(self):
