@@ -171,22 +171,26 @@ def test_microbatched_training_is_accounted_with_half_sigma():
   assert model.optimizer.effective_noise_multiplier == pytest.approx(0.6)
 
 
-def test_privacy_budget_callback_logs_and_stops():
+@pytest.mark.parametrize("sampling", ["shuffle", "poisson"])
+def test_privacy_budget_callback_logs_and_stops(sampling):
   x, y = _data()
   model = dp.make_private(_model())
-  model.compile(optimizer=dp.DPSGD(1.0, 0.8), loss=_loss())
-  target = 8.0
-  budget = dp.PrivacyBudget(N, 1e-5, target_epsilon=target, verbose=0)
+  model.compile(optimizer=dp.DPSGD(1.0, 1.5), loss=_loss())
+  target = 8.0 if sampling == "shuffle" else 2.0
+  kwargs = {} if sampling == "shuffle" else {"sampling": sampling}  # default
+  budget = dp.PrivacyBudget(N, 1e-5, target_epsilon=target, verbose=0,
+                            **kwargs)
   history = model.fit(x, y, batch_size=32, epochs=20, verbose=0,
                       callbacks=[budget])
   logged = history.history["epsilon"]
   epochs = len(logged)
   assert 1 <= epochs < 20
   for e, eps in enumerate(logged, start=1):
-    assert eps == pytest.approx(dp.compute_epsilon(N, 32, e, 0.8, 1e-5),
-                                rel=1e-6)
+    assert eps == pytest.approx(
+        dp.compute_epsilon(N, 32, e, 1.5, 1e-5, sampling=sampling), rel=1e-6)
   assert logged[-1] <= target  # stopped within budget...
-  assert dp.compute_epsilon(N, 32, epochs + 1, 0.8, 1e-5) > target  # ...in time
+  assert dp.compute_epsilon(N, 32, epochs + 1, 1.5, 1e-5,
+                            sampling=sampling) > target  # ...in time
 
 
 def test_save_load_continue_equals_uninterrupted(tmp_path):

@@ -11,19 +11,23 @@ class PrivacyBudget(keras.callbacks.Callback):
 
   ε is computed from the optimizer's own DpEvent (the steps it actually took,
   its σ, its logical batch size) for the chosen sampling assumption. With
-  ``target_epsilon``, training stops at the end of the epoch after which
-  another epoch would exceed the budget, so the budget is never overrun.
+  ``target_epsilon``, training stops at the end of the first epoch after
+  which one more epoch would exceed the budget. The check runs between
+  epochs: if a single epoch already exceeds the budget, it stops after that
+  epoch, over budget — check ``compute_epsilon`` before training.
 
   Args:
     num_examples: N, training set size.
     delta: δ.
     target_epsilon: optional budget.
     accountant: ``"rdp"`` or ``"pld"``.
-    sampling: ``"poisson"`` or ``"shuffle"`` (see ``dp_sgd_event``).
+    sampling: ``"shuffle"`` (default: each example once per epoch, what
+      ``model.fit`` does) or ``"poisson"`` (only if batches are
+      Poisson-sampled); see ``dp_sgd_event``.
   """
 
   def __init__(self, num_examples, delta, target_epsilon=None,
-               accountant="rdp", sampling="poisson", verbose=1):
+               accountant="rdp", sampling="shuffle", verbose=1):
     super().__init__()
     self.num_examples = num_examples
     self.delta = delta

@@ -3,8 +3,8 @@
 The private train step needs three things Keras 3 does not expose publicly:
 the compiled loss (to evaluate it on one unit at a time), the loss tracker
 (so that ``loss`` in the logs means what it means in plain Keras) and the
-random-seed generators of stochastic layers (to give every example its own
-dropout mask). ``tests/test_training.py`` fails loudly if a Keras release
+random-seed generators of stochastic layers (to detect them, and to advance
+them after each step). ``tests/test_training.py`` fails loudly if a Keras release
 renames any of them.
 """
 import keras
