@@ -143,15 +143,6 @@ def _quiet_logs():
       logger.removeFilter(f)
 
 
-def calibrate(num_examples, batch_size, steps, target_epsilon, delta):
-  """σ such that `steps` Poisson-sampled steps of rate B/N have ε ≤ target."""
-  # The accounting counts ceil(epochs · N / B) steps; fit takes
-  # epochs · ceil(N / B). Express the steps fit takes as (fractional) epochs.
-  epochs = steps * batch_size / num_examples
-  return tf_dpadambc.compute_noise_multiplier(
-      num_examples, batch_size, epochs, target_epsilon, delta)
-
-
 def train_one(name, data, config, sigma, delta, seed, noise_seed, jit_compile,
               verbose):
   """Trains a fresh model with optimizer `name`; returns a `Result`."""
@@ -266,8 +257,9 @@ def _run(args):
   if config.epochs < 1:
     raise SystemExit("--epochs must be ≥ 1.")
   steps = config.epochs * math.ceil(num_examples / config.batch_size)
-  sigma = calibrate(num_examples, config.batch_size, steps, args.epsilon,
-                    args.delta)
+  # Counts the epochs · ceil(N/B) steps fit takes.
+  sigma = tf_dpadambc.compute_noise_multiplier(
+      num_examples, config.batch_size, config.epochs, args.epsilon, args.delta)
   print(f"{data.name}: {num_examples:,} train / {len(data.y_test):,} test "
         f"examples, {data.x_train.shape[1]} features. Batch "
         f"{config.batch_size}, {config.epochs} epochs ({steps:,} steps), "
