@@ -359,44 +359,45 @@ def test_sample_weights_of_shape_b1_stay_clipped():
   model = _model()
   model.compile(loss=_loss())
   full, contributions = _contribution_norms(model, x, y, w, 0.05)
-  assert bool(full.reweighted)
+  assert not bool(full.mismatch)
   # Removing one example changes the clipped sum by at most C.
   assert np.all(contributions <= 0.05 * (1 + 1e-4)), contributions
   with pytest.raises(ValueError, match="one sample weight per example"):
     dp.private_gradient_sum(model, x, y, np.ones((8, 2), "float32"), 1.0)
 
 
-class _BatchCentering(keras.layers.Layer):
+class BatchCentering(keras.layers.Layer):
   """Subtracts the batch mean: the output of one example depends on others."""
 
   def call(self, inputs):
     return inputs - keras.ops.mean(inputs, axis=0, keepdims=True)
 
 
-class _UnseededNoise(keras.layers.Layer):
+class UnseededNoise(keras.layers.Layer):
   """Randomness that Keras does not track (no SeedGenerator)."""
 
   def call(self, inputs, training=False):
     return inputs + tf.random.normal(tf.shape(inputs)) if training else inputs
 
 
-@pytest.mark.parametrize("layer", [_BatchCentering, _UnseededNoise])
-def test_batch_dependent_forward_falls_back_to_the_exact_path(layer):
+@pytest.mark.parametrize("layer", [BatchCentering, UnseededNoise])
+def test_batch_dependent_forward_releases_noise_only_and_fit_raises(layer):
   x, y = _data()
-  x, y = x[:8], y[:8]
   model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(6), layer(),
                             keras.layers.Dense(K)])
   model.compile(loss=_loss())
-  result, _, _ = dp.private_gradient_sum(model, x, y, None, 1e-3)
-  assert not bool(result.reweighted)
-  norm = np.sqrt(sum(np.sum(g.numpy() ** 2) for g in result.grads))
-  assert norm <= 8 * 1e-3 * (1 + 1e-5)
-  assert int(result.num_clipped) == 8
+  result, _, _ = dp.private_gradient_sum(model, x[:8], y[:8], None, 1e-3)
+  assert bool(result.mismatch)
+  assert all(not np.any(g.numpy()) for g in result.grads)
+  model = dp.make_private(model)
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0), loss=_loss(), jit_compile=True)
+  with pytest.raises(RuntimeError, match="mixes examples"):
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
-def test_plain_model_uses_the_reweighted_pass():
+def test_plain_model_passes_the_verification():
   x, y = _data()
   model = _model()
   model.compile(loss=_loss())
   result, _, _ = dp.private_gradient_sum(model, x[:8], y[:8], None, 1.0)
-  assert bool(result.reweighted)
+  assert not bool(result.mismatch)

@@ -28,6 +28,7 @@ from tf_dpadambc.keras.optimizers import base
 
 _MARK = "_tf_dpadambc_private"
 _METRICS = "_tf_dpadambc_metrics"
+_UNVERIFIED = "dp_unverified_steps"
 
 
 def _batch_size(x):
@@ -173,14 +174,48 @@ def _dp_train_step(self, data):
 
   _compat.loss_tracker(self).update_state(
       tf.reduce_mean(unit_losses), sample_weight=batch_size)
-  clipped_fraction, nonfinite = getattr(self, _METRICS)
+  clipped_fraction, nonfinite, unverified = getattr(self, _METRICS)
   clipped_fraction.update_state(
       tf.cast(result.num_clipped, tf.float32) / tf.cast(num_units, tf.float32),
       sample_weight=tf.cast(num_units, tf.float32))
   nonfinite.update_state(tf.cast(result.num_nonfinite, tf.float32))
+  unverified.update_state(tf.cast(result.mismatch, tf.float32))
   logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
   logs.update({m.name: m.result() for m in (clipped_fraction, nonfinite)})
+  logs[_UNVERIFIED] = unverified.result()
   return logs
+
+
+def _checked_train_function(model):
+  """Wraps ``make_train_function`` so that an unverified step raises on the host.
+
+  In the compiled step such a step released noise only (private, useless);
+  here, right after it, training stops with an explanation.
+  """
+  make = model.make_train_function
+
+  def make_train_function(force=False):
+    make(force)
+    function = model.train_function
+    if getattr(function, "_tf_dpadambc_checked", False):
+      return function
+
+    def checked(*args, **kwargs):
+      logs = function(*args, **kwargs)
+      if float(logs.pop(_UNVERIFIED, 0.0)):
+        raise RuntimeError(
+            "The batched forward pass did not reproduce the per-example "
+            "losses: a layer or the loss mixes examples of the batch, or "
+            "uses randomness Keras does not track (tf.random instead of a "
+            "keras.random.SeedGenerator). Per-example clipping cannot be "
+            "verified for such a model; the last step applied noise only. "
+            "Remove or fix that layer (use per-example layers such as "
+            "LayerNormalization, and keras.random with a SeedGenerator).")
+      return logs
+    checked._tf_dpadambc_checked = True  # pylint: disable=protected-access
+    model.train_function = checked
+    return checked
+  object.__setattr__(model, "make_train_function", make_train_function)
 
 
 def make_private(model):
@@ -211,9 +246,11 @@ def make_private(model):
   validation.check_model(model)
   if not getattr(model, _MARK, False):
     metrics = (keras.metrics.Mean(name="dp_clipped_fraction"),
-               keras.metrics.Sum(name="dp_nonfinite_examples"))
+               keras.metrics.Sum(name="dp_nonfinite_examples"),
+               keras.metrics.Sum(name=_UNVERIFIED))
     object.__setattr__(model, _METRICS, metrics)
     _compat.reset_metrics_too(model, metrics)
+    _checked_train_function(model)
     object.__setattr__(model, _MARK, True)
   object.__setattr__(model, "train_step",
                      types.MethodType(_dp_train_step, model))
