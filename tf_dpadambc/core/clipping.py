@@ -137,9 +137,11 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
   track) the sum is set to zero — the step releases noise only, so privacy
   holds — and ``mismatch`` is True for the caller to report. (A ``tf.cond``
   falling back to the materialized path would be exact, but under XLA it
-  slowed every step of a CNN 2.5x.) In the re-weighted pass a unit whose norm is not finite gets
-  weight 0 and the data of a finite unit, so its non-finite values cannot
-  reach the sum (0 · nan is nan in a backward pass). Norms that overflow
+  slowed every step of a CNN 2.5x.)
+
+  In the re-weighted pass a unit whose norm is not finite gets weight 0 and
+  the data of a finite unit, so its non-finite values cannot reach the sum
+  (0 · nan is nan in a backward pass). Norms that overflow
   float32 (‖g‖ ≳ 1e19) count as non-finite there; the materialized path
   clips them exactly.
   """
