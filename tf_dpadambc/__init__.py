@@ -20,18 +20,11 @@ from tf_dpadambc.accounting import dp_sgd_event
 from tf_dpadambc.accounting import epsilon_of_event
 from tf_dpadambc.accounting import optimizer_privacy_statement
 from tf_dpadambc.accounting import privacy_statement
-from tf_dpadambc.keras import DPAdam
-from tf_dpadambc.keras import DPAdamBC
-from tf_dpadambc.keras import DPOptimizer
-from tf_dpadambc.keras import DPSGD
-from tf_dpadambc.keras import is_private
-from tf_dpadambc.keras import make_private
-from tf_dpadambc.keras import private_gradient_sum
+from tf_dpadambc.keras import *  # noqa: F401,F403
+from tf_dpadambc.keras import __all__ as _KERAS
 
-__all__ = [
-    "DPAdam", "DPAdamBC", "DPOptimizer", "DPSGD", "PrivacyBudget",
-    "compute_epsilon", "compute_noise_multiplier", "dp_sgd_event",
-    "epsilon_of_event", "is_private", "make_private",
-    "optimizer_privacy_statement", "privacy_statement", "private_gradient_sum",
-    "__version__",
+__all__ = list(_KERAS) + [
+    "PrivacyBudget", "compute_epsilon", "compute_noise_multiplier",
+    "dp_sgd_event", "epsilon_of_event", "optimizer_privacy_statement",
+    "privacy_statement", "__version__",
 ]

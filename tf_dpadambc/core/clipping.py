@@ -16,8 +16,16 @@ Two ways to get Σ_u clip_C(g_u), both exact:
   2015; Li et al. 2022). Valid only when the batched forward pass computes the
   same per-unit losses as the per-unit one: no randomness in the forward pass
   and no data-dependent extra losses.
+
+A :class:`ClipSpec` says how units are clipped: one global bound C (the
+default), one bound C_k per parameter tensor ("per-layer"; sensitivity
+‖(C_k)‖₂), automatic clipping (factor C/(‖g‖+γ), Bu et al. 2023), and a
+per-coordinate scale s under which s⊙g_u is clipped (scale-then-privatize,
+delayed and public preconditioners). Per-layer bounds and the sum of squared
+clipped gradients (joint moment estimation) need the materialized path.
 """
 import collections
+import math
 
 import tensorflow as tf
 
@@ -25,7 +33,8 @@ from tf_dpadambc.core import per_example
 
 ClippedSum = collections.namedtuple(
     "ClippedSum",
-    ["grads", "norms", "num_clipped", "num_nonfinite", "mismatch"])
+    ["grads", "norms", "num_clipped", "num_nonfinite", "mismatch",
+     "square_grads"], defaults=[None])
 ClippedSum.__doc__ = """Σ_u clip_C(g_u) with what the clipping did.
 
 grads: list of tensors shaped like the parameters, Σ_u clip_C(g_u).
@@ -34,17 +43,59 @@ num_clipped: number of units with ‖g_u‖ > C (scaled down).
 num_nonfinite: number of units whose gradient was not finite (zeroed).
 mismatch: True if the re-weighted pass could not be verified (the batched
   losses differ from the per-unit ones); ``grads`` are then all zero.
+square_grads: Σ_u clip(g_u)⊙clip(g_u) when the spec asks for it, else None.
+
+Under a :class:`ClipSpec` with a scale s, ``grads`` is Σ_u clip(s⊙g_u), in
+the scaled coordinates, and ``norms`` are ‖s⊙g_u‖.
 """
 
 
-def clip_factors(norms, l2_norm_clip):
-  """c_u = min(1, C/‖g_u‖), and 0 where ‖g_u‖ is not finite."""
+class ClipSpec(collections.namedtuple(
+    "ClipSpec", ["l2_norm_clip", "layer_clips", "automatic_gamma", "scale",
+                 "square_sum"], defaults=[None, None, None, False])):
+  """How each unit's gradient is bounded.
+
+  l2_norm_clip: C, the bound of the whole unit gradient (a float or scalar
+    tensor). With ``layer_clips`` it is ignored for clipping.
+  layer_clips: None, or one bound C_k per parameter tensor: each tensor of
+    each unit is clipped to C_k, so the unit's norm is ≤ ‖(C_k)‖₂.
+  automatic_gamma: None for clip_C(g) = g·min(1, C/‖g‖); γ > 0 for automatic
+    clipping g·C/(‖g‖+γ) (Bu et al., NeurIPS 2023): every unit is rescaled,
+    the norm stays < C.
+  scale: None, or tensors s shaped like the parameters: the unit's gradient
+    is s⊙g_u before it is clipped (Ganesh et al. 2025, Algorithm 8).
+  square_sum: also return Σ_u clip(g_u)² (elementwise), for joint moment
+    estimation.
+  """
+
+  @property
+  def sensitivity(self):
+    """The L2 bound of one unit's clipped contribution: C or ‖(C_k)‖₂."""
+    if self.layer_clips is not None:
+      return math.sqrt(sum(float(c) ** 2 for c in self.layer_clips))
+    return self.l2_norm_clip
+
+  @property
+  def needs_materialized(self):
+    return self.layer_clips is not None or bool(self.square_sum)
+
+
+def as_spec(clip):
+  """A :class:`ClipSpec` from a spec or a bare clip norm C."""
+  return clip if isinstance(clip, ClipSpec) else ClipSpec(clip)
+
+
+def clip_factors(norms, l2_norm_clip, automatic_gamma=None):
+  """c_u = min(1, C/‖g_u‖) (or C/(‖g_u‖+γ), automatic), 0 where not finite."""
   norms = tf.convert_to_tensor(norms)
   clip = tf.cast(l2_norm_clip, norms.dtype)
   finite = tf.math.is_finite(norms)
   safe = tf.where(finite, norms, tf.ones_like(norms))
-  return tf.where(finite, tf.minimum(1.0, clip / tf.maximum(safe, 1e-30)),
-                  tf.zeros_like(norms))
+  if automatic_gamma is None:
+    factors = tf.minimum(1.0, clip / tf.maximum(safe, 1e-30))
+  else:
+    factors = clip / (safe + tf.cast(automatic_gamma, norms.dtype))
+  return tf.where(finite, factors, tf.zeros_like(norms))
 
 
 def _scaled_norms(per_unit_grads):
@@ -71,17 +122,21 @@ def per_unit_global_norms(per_unit_grads):
   return tf.where(ok, scale * ratio, tf.fill(tf.shape(ok), float("nan")))
 
 
-def clip_per_unit(per_unit_grads, l2_norm_clip):
+def clip_per_unit(per_unit_grads, l2_norm_clip, automatic_gamma=None):
   """Clips each unit's gradient (leading axis) to L2 norm ≤ C.
 
   Returns ``(clipped, norms, was_clipped, ok)``; non-finite units (``ok``
-  False) come back as exact zeros.
+  False) come back as exact zeros. ``automatic_gamma``: see :class:`ClipSpec`.
   """
   scale, ratio, ok = _scaled_norms(per_unit_grads)
   clip = tf.cast(l2_norm_clip, scale.dtype)
   # g·min(1, C/(s·r)) = (g/s)·min(s, C/r): no overflowing norm and no
   # denormal factor (flushed to zero on CPU) for huge finite gradients.
-  bounded_scale = tf.minimum(scale, clip / tf.maximum(ratio, 1e-30))
+  if automatic_gamma is None:
+    bounded_scale = tf.minimum(scale, clip / tf.maximum(ratio, 1e-30))
+  else:  # g·C/(s·r + γ) = (g/s)·C/(r + γ/s)
+    bounded_scale = clip / (ratio + tf.cast(automatic_gamma, scale.dtype)
+                            / scale)
   factors = tf.where(ok, bounded_scale, tf.zeros_like(scale))
   # multiply_no_nan: 0 · inf and 0 · nan are 0, so a zeroed unit is exactly 0.
   clipped = [tf.math.multiply_no_nan(g / _expand_as(scale, g),
@@ -90,12 +145,37 @@ def clip_per_unit(per_unit_grads, l2_norm_clip):
   return clipped, scale * ratio, ok & (bounded_scale < scale), ok
 
 
-def materialized_clipped_sum(per_unit_grads, l2_norm_clip):
-  """Σ_u clip_C(g_u) from materialized per-unit gradients."""
-  clipped, norms, was_clipped, ok = clip_per_unit(per_unit_grads,
-                                                  l2_norm_clip)
+def materialized_clipped_sum(per_unit_grads, clip):
+  """Σ_u clip(g_u) from materialized per-unit gradients.
+
+  ``clip`` is a clip norm C or a :class:`ClipSpec` (scale, per-layer bounds,
+  automatic clipping, sum of squares).
+  """
+  spec = as_spec(clip)
+  if spec.scale is not None:
+    per_unit_grads = [g * tf.cast(s, g.dtype)[None]
+                      for g, s in zip(per_unit_grads, spec.scale)]
+  if spec.layer_clips is None:
+    clipped, norms, was_clipped, ok = clip_per_unit(
+        per_unit_grads, spec.l2_norm_clip, spec.automatic_gamma)
+  else:
+    if len(spec.layer_clips) != len(per_unit_grads):
+      raise ValueError(
+          f"{len(spec.layer_clips)} per-layer clip norms for "
+          f"{len(per_unit_grads)} trainable variables: give one per variable.")
+    parts = [clip_per_unit([g], c, spec.automatic_gamma)
+             for g, c in zip(per_unit_grads, spec.layer_clips)]
+    clipped = [p[0][0] for p in parts]
+    # A unit is dropped whole if any of its tensors is not finite.
+    ok = tf.reduce_all(tf.stack([p[3] for p in parts]), axis=0)
+    clipped = [tf.where(_expand_as(ok, c), c, tf.zeros_like(c))
+               for c in clipped]
+    norms = per_unit_global_norms(per_unit_grads)
+    was_clipped = tf.reduce_any(tf.stack([p[2] for p in parts]), axis=0)
+  squares = ([tf.reduce_sum(tf.square(c), axis=0) for c in clipped]
+             if spec.square_sum else None)
   return _summary([tf.reduce_sum(c, axis=0) for c in clipped], norms,
-                  was_clipped, ok)
+                  was_clipped, ok, square_grads=squares)
 
 
 def reweighted_gradient(batch_unit_losses_fn, params, weights):
@@ -113,7 +193,7 @@ def reweighted_gradient(batch_unit_losses_fn, params, weights):
 
 
 def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
-                         l2_norm_clip, rtol=1e-4):
+                         clip, rtol=1e-4):
   """Σ_u clip_C(g_u) for the units of one batch, and the forward outputs.
 
   Args:
@@ -125,7 +205,8 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
       the per-unit gradients instead.
     params: list of parameter tensors.
     units: nested structure of tensors with leading axis U.
-    l2_norm_clip: C > 0.
+    clip: C > 0, or a :class:`ClipSpec`. Specs with per-layer bounds or a
+      sum of squares always use the materialized path.
     rtol: how closely the batched losses must match the per-unit ones.
 
   Returns:
@@ -145,12 +226,14 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
   float32 (‖g‖ ≳ 1e19) count as non-finite there; the materialized path
   clips them exactly.
   """
-  if batch_unit_losses_fn is None:
-    return _materialized(unit_loss_fn, params, units, l2_norm_clip)
+  spec = as_spec(clip)
+  if batch_unit_losses_fn is None or spec.needs_materialized:
+    return _materialized(unit_loss_fn, params, units, spec)
 
-  norms, losses, aux = per_example.per_unit_norms(unit_loss_fn, params, units)
+  norms, losses, aux = per_example.per_unit_norms(unit_loss_fn, params, units,
+                                                  scale=spec.scale)
   ok = tf.math.is_finite(norms)
-  factors = clip_factors(norms, l2_norm_clip)
+  factors = clip_factors(norms, spec.l2_norm_clip, spec.automatic_gamma)
   positions = tf.range(tf.shape(norms)[0])
   stand_in = tf.argmax(tf.cast(ok, tf.int32), output_type=positions.dtype)
   indices = tf.where(ok, positions, stand_in)
@@ -162,21 +245,23 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
   # Every unit non-finite: the stand-in is non-finite too; the sum is zero.
   use = same & tf.reduce_any(ok)
   grads = [tf.where(use, g, tf.zeros_like(g)) for g in grads]
+  if spec.scale is not None:  # Σ_u c_u s⊙g_u = s⊙Σ_u c_u g_u
+    grads = [g * tf.cast(s, g.dtype) for g, s in zip(grads, spec.scale)]
   return (_summary(grads, norms, factors < 1.0, ok, mismatch=~same), losses,
           aux)
 
 
-def _materialized(unit_loss_fn, params, units, l2_norm_clip):
+def _materialized(unit_loss_fn, params, units, spec):
   grads, losses, aux = per_example.per_unit_gradients(
       unit_loss_fn, params, units)
-  return materialized_clipped_sum(grads, l2_norm_clip), losses, aux
+  return materialized_clipped_sum(grads, spec), losses, aux
 
 
-def _summary(grads, norms, was_clipped, ok, mismatch=False):
+def _summary(grads, norms, was_clipped, ok, mismatch=False, square_grads=None):
   num_clipped = tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32))
   num_nonfinite = tf.reduce_sum(tf.cast(~ok, tf.int32))
   return ClippedSum(list(grads), norms, num_clipped, num_nonfinite,
-                    tf.convert_to_tensor(mismatch))
+                    tf.convert_to_tensor(mismatch), square_grads)
 
 
 def _expand_as(per_unit, t):

@@ -31,3 +31,21 @@ def debias(average, decay, step):
 def dp_noise_variance(noise_multiplier, l2_norm_clip, batch_size):
   """Φ = (σC/B)²: per-coordinate variance of the noise in the private mean."""
   return (noise_multiplier * l2_norm_clip / batch_size) ** 2
+
+
+def accumulate(total, value, decay):
+  """The second-moment accumulator of each optimizer family.
+
+  ``decay`` β: exponential moving average β·total + (1-β)·value (Adam,
+  RMSProp); ``None``: running sum total + value (AdaGrad). The DP bias of the
+  accumulator obeys the same recursion with the per-step noise variance in
+  place of ḡ², which is how Φ_t is tracked for every family.
+  """
+  if decay is None:
+    return total + value
+  return ema(total, value, decay)
+
+
+def clamp_negative(v_hat):
+  """max(v̂, 0): unbiased second-moment estimates (IME, JME, v̂ − Φ) can be < 0."""
+  return tf.maximum(v_hat, tf.zeros_like(v_hat))

@@ -12,6 +12,7 @@ restored from a checkpoint at step t draws exactly the noise the uninterrupted
 run would have. Whoever knows the seed can subtract the noise, so the seed must
 stay secret (the optimizers draw one from the OS unless given one).
 """
+import math
 import secrets
 
 import tensorflow as tf
@@ -66,3 +67,72 @@ def gaussian_release(clipped_sum, l2_norm_clip, noise_multiplier, num_units,
   noisy_mean = [(s + n) / tf.cast(b, s.dtype)
                 for s, n in zip(clipped_sum, noise)]
   return noisy_mean, tf.square(stddev / b)
+
+
+def sub_seed(seed, stream):
+  """An independent seed for a second release in the same step."""
+  return tf.random.experimental.stateless_fold_in(
+      seed, tf.constant(0x5EC0 + stream, tf.int64))
+
+
+def ime_square_sensitivity(l2_norm_clip, batch_size):
+  """(2B+1)C²/B²: add/remove sensitivity of ḡ² with ḡ = Σ clip_C(g_u)/B.
+
+  Adding one unit to B changes ((S + g)/B)² − (S/B)² = (2S⊙g + g²)/B², of
+  L2 norm ≤ (2BC² + C²)/B² (Ganesh et al. 2025, §3.2 and Algorithm 6).
+  """
+  b = tf.cast(batch_size, tf.float32)
+  return (2.0 * b + 1.0) * tf.square(tf.cast(l2_norm_clip, tf.float32)) / b**2
+
+
+def independent_moment_release(clipped_sum, l2_norm_clip, noise_multiplier,
+                               num_units, seed):
+  """Independent moment estimation, IME (Ganesh et al. 2025, Algorithm 6).
+
+  With ḡ = Σ_u clip_C(g_u)/B, two Gaussian releases of multiplier √2·σ each
+  (together exactly one Gaussian mechanism of multiplier σ):
+
+      first  = ḡ  + (√2 σ C/B) z1
+      second = ḡ² + (√2 σ (2B+1) C²/B²) z2          z1, z2 ~ N(0, I)
+
+  ``second`` is an unbiased estimate of ḡ² and can be negative. ``z1`` is the
+  draw :func:`gaussian_release` makes with the same seed.
+
+  Returns ``(first, second, first_noise_variance)``.
+  """
+  b = tf.cast(num_units, tf.float32)
+  mean = [s / tf.cast(b, s.dtype) for s in clipped_sum]
+  sigma = math.sqrt(2.0) * noise_multiplier
+  first_std = sigma * tf.cast(l2_norm_clip, tf.float32) / b
+  second_std = sigma * ime_square_sensitivity(l2_norm_clip, b)
+  z1 = gaussian_noise_like(mean, first_std, seed)
+  z2 = gaussian_noise_like(mean, second_std, sub_seed(seed, 1))
+  first = [m + z for m, z in zip(mean, z1)]
+  second = [tf.square(m) + z for m, z in zip(mean, z2)]
+  return first, second, tf.square(first_std)
+
+
+def joint_moment_release(clipped_sum, clipped_square_sum, noise_stddev,
+                         square_weight, num_units, seed):
+  """Joint moment estimation, JME (Kalinin, Upadhyay & Lampert 2025).
+
+  One Gaussian release of the concatenation (Σ clip(g_u), √λ Σ clip(g_u)²)
+  with noise std ``noise_stddev`` on every coordinate, rescaled:
+
+      first  = (Σ clip(g_u) + N(0, std²)) / B
+      second = (√λ Σ clip(g_u)² + N(0, std²)) / (√λ B)
+
+  ``second`` estimates the mean of the squared clipped per-unit gradients
+  (square-then-average) and can be negative. The caller chooses
+  ``noise_stddev`` = σ·Δ for the sensitivity Δ of its adjacency notion.
+
+  Returns ``(first, second, first_noise_variance)``.
+  """
+  b = tf.cast(num_units, tf.float32)
+  root = math.sqrt(square_weight)
+  z1 = gaussian_noise_like(clipped_sum, noise_stddev, seed)
+  z2 = gaussian_noise_like(clipped_sum, noise_stddev, sub_seed(seed, 2))
+  first = [(s + z) / tf.cast(b, s.dtype) for s, z in zip(clipped_sum, z1)]
+  second = [(root * q + z) / tf.cast(root * b, q.dtype)
+            for q, z in zip(clipped_square_sum, z2)]
+  return first, second, tf.square(tf.cast(noise_stddev, tf.float32) / b)

@@ -113,14 +113,17 @@ def per_unit_gradients(unit_loss_fn, params, units):
         fallback_to_while_loop=False)
 
 
-def per_unit_norms(unit_loss_fn, params, units):
+def per_unit_norms(unit_loss_fn, params, units, scale=None):
   """Per-unit gradient L2 norms ``‖∇ℓ_u‖₂`` without returning the gradients.
 
   Returns ``(norms [U], losses [U], aux)``. The squared norm is reduced inside
-  the vectorized function so the per-unit gradients never leave it.
+  the vectorized function so the per-unit gradients never leave it. With
+  ``scale`` (tensors shaped like ``params``) the norms are ``‖s⊙∇ℓ_u‖₂``.
   """
   def unit_norm(unit):
     grads, loss, aux = _unit_gradient(unit_loss_fn, params, unit)
+    if scale is not None:
+      grads = [g * tf.cast(s, g.dtype) for g, s in zip(grads, scale)]
     return tf.sqrt(_sum_of_squares(grads)), loss, aux
   with _report_looped_ops():
     return tf.vectorized_map(unit_norm, units, fallback_to_while_loop=False)

@@ -35,3 +35,22 @@ def momentum_velocity(velocity, gradient, momentum, learning_rate):
   same function applied once more to the new velocity.
   """
   return momentum * velocity - learning_rate * gradient
+
+
+def clamped_direction(m_hat, v_hat, epsilon):
+  """Δ = m̂ / (sqrt(max(v̂, 0)) + ε) for unbiased, possibly negative v̂.
+
+  Independent and joint moment estimation (Ganesh et al. 2025, Algorithm 6;
+  Kalinin et al. 2025) release v̂ with zero-mean noise, so it can be negative.
+  """
+  return m_hat / (tf.sqrt(tf.maximum(v_hat, tf.zeros_like(v_hat))) + epsilon)
+
+
+def preconditioner_scale(v_hat, epsilon):
+  """s = 1 / (sqrt(max(v̂, 0)) + ε): the geometry in which gradients are clipped.
+
+  Scale-then-privatize (Ganesh et al. 2025, Algorithm 8) clips and noises
+  s_t ⊙ g_u with s_t from the previous step's v̂; delayed (Li et al. 2023)
+  and public (Li et al. 2022) preconditioners use their own v̂.
+  """
+  return 1.0 / (tf.sqrt(tf.maximum(v_hat, tf.zeros_like(v_hat))) + epsilon)

@@ -29,6 +29,10 @@ from tf_dpadambc.keras.optimizers import base
 _MARK = "_tf_dpadambc_private"
 _METRICS = "_tf_dpadambc_metrics"
 _UNVERIFIED = "dp_unverified_steps"
+_DIAGNOSTICS = "_tf_dpadambc_diagnostics"
+# Every optimizer diagnostic the train step may log (core.diagnostics).
+_DIAGNOSTIC_NAMES = ("dp_v_over_phi", "dp_clamped_fraction",
+                     "dp_negative_v_fraction")
 
 
 def _batch_size(x):
@@ -67,9 +71,13 @@ def _per_example_weights(sample_weight, batch_size):
   return sample_weight
 
 
-def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
+def private_gradient_sum(model, x, y, sample_weight, clip,
                          num_microbatches=None):
   """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
+
+  ``clip`` is a clip norm C or a :class:`~tf_dpadambc.core.clipping.ClipSpec`
+  (``optimizer.clip_spec(model.trainable_variables)`` gives the one a DP
+  optimizer expects).
 
   Units are examples (``num_microbatches=None``) or M equal microbatches. A
   unit's loss is the mean over its examples of (sample weight × per-example
@@ -135,8 +143,33 @@ def private_gradient_sum(model, x, y, sample_weight, l2_norm_clip,
               and not _compat.seed_generators(model))
   result, unit_losses, y_pred = clipping.clipped_gradient_sum(
       unit_loss_fn, batch_unit_losses_fn if reweight else None, params, units,
-      l2_norm_clip)
+      clip)
   return result, unit_losses, per_example.merge_microbatches(y_pred)
+
+
+def _refresh_public_preconditioner(model, optimizer):
+  """Every k steps, the public second moment from one public minibatch.
+
+  Public data costs no privacy: its gradient is neither clipped nor noised.
+  """
+  x_pub, y_pub = optimizer.public_data
+  size = min(optimizer.public_batch_size, len(x_pub))
+
+  def refresh():
+    seed = tf.stack([tf.cast(optimizer.iterations, tf.int64),
+                     tf.constant(0x9B1C, tf.int64)])
+    index = tf.random.stateless_uniform([size], seed, 0, len(x_pub),
+                                        dtype=tf.int64)
+    xb = tf.gather(tf.constant(x_pub), index)
+    yb = tf.gather(tf.constant(y_pub), index)
+    with tf.GradientTape() as tape:
+      loss = _compat.compiled_loss(model)(yb, model(xb, training=False), None)
+    grads = tape.gradient(loss, model.trainable_variables,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    optimizer.observe_public_gradients(grads)
+    return tf.constant(True)
+
+  tf.cond(optimizer.refresh_due(), refresh, lambda: tf.constant(False))
 
 
 def _advance_seed_generators(model):
@@ -163,12 +196,14 @@ def _dp_train_step(self, data):
         f"{self.distribute_strategy.num_replicas_in_sync} replicas is not "
         "supported yet: train on one device (no strategy scope).")
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  if getattr(optimizer, "public_data", None) is not None:
+    _refresh_public_preconditioner(self, optimizer)
   result, unit_losses, y_pred = private_gradient_sum(
-      self, x, y, sample_weight, optimizer.l2_norm_clip,
+      self, x, y, sample_weight, optimizer.clip_spec(self.trainable_variables),
       optimizer.num_microbatches)
   num_units = tf.shape(unit_losses)[0]
   batch_size = _batch_size(x)
-  optimizer.apply_private(result.grads, num_units, batch_size,
+  optimizer.apply_private(result, num_units, batch_size,
                           self.trainable_variables)
   _advance_seed_generators(self)
 
@@ -180,8 +215,13 @@ def _dp_train_step(self, data):
       sample_weight=tf.cast(num_units, tf.float32))
   nonfinite.update_state(tf.cast(result.num_nonfinite, tf.float32))
   unverified.update_state(tf.cast(result.mismatch, tf.float32))
+  diagnostics = getattr(self, _DIAGNOSTICS)
+  for name, value in optimizer.diagnostics().items():
+    diagnostics[name].update_state(value)
   logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
   logs.update({m.name: m.result() for m in (clipped_fraction, nonfinite)})
+  logs.update({name: diagnostics[name].result()
+               for name in optimizer.diagnostics()})
   logs[_UNVERIFIED] = unverified.result()
   return logs
 
@@ -230,9 +270,13 @@ def make_private(model):
 
   Every training step then clips each example's (or microbatch's) gradient
   and adds noise once per logical step, through the compiled DP optimizer.
-  ``fit`` logs two more metrics: ``dp_clipped_fraction`` (units whose norm
-  exceeded C) and ``dp_nonfinite_examples`` (units with a non-finite gradient,
-  whose contribution was zeroed, summed over the epoch).
+  ``fit`` logs more metrics: ``dp_clipped_fraction`` (units whose norm
+  exceeded C), ``dp_nonfinite_examples`` (units with a non-finite gradient,
+  whose contribution was zeroed, summed over the epoch) and, for adaptive
+  optimizers, the epoch means of their diagnostics: ``dp_v_over_phi`` (mean
+  v̂/Φ; ≈ 1 means the second moment is mostly DP noise),
+  ``dp_clamped_fraction`` (bias correction: coordinates at the floor γ') and
+  ``dp_negative_v_fraction`` (IME/JME: coordinates with v̂ < 0).
 
   Call it again after ``keras.models.load_model``: the train step is not
   saved with the model. Raises ``ValueError`` for layers that mix examples
@@ -249,7 +293,11 @@ def make_private(model):
                keras.metrics.Sum(name="dp_nonfinite_examples"),
                keras.metrics.Sum(name=_UNVERIFIED))
     object.__setattr__(model, _METRICS, metrics)
-    _compat.reset_metrics_too(model, metrics)
+    # Epoch means of the optimizer's per-step diagnostics.
+    diagnostics = {name: keras.metrics.Mean(name=name)
+                   for name in _DIAGNOSTIC_NAMES}
+    object.__setattr__(model, _DIAGNOSTICS, diagnostics)
+    _compat.reset_metrics_too(model, metrics + tuple(diagnostics.values()))
     _checked_train_function(model)
     object.__setattr__(model, _MARK, True)
   object.__setattr__(model, "train_step",

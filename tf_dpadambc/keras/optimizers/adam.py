@@ -1,93 +1,46 @@
-"""DP-Adam (post-processing) and DP-AdamBC (bias-corrected second moment)."""
+"""The private Adam variants: compositions of the Adam family and an estimator.
+
+Decoupled weight decay (AdamW) is Keras' ``weight_decay`` argument for every
+class here (θ ← θ − η·λ_wd·θ before the step; no privacy cost).
+"""
 import keras
 
-from tf_dpadambc.core import moments
-from tf_dpadambc.core import updates
+from tf_dpadambc.keras.optimizers import adaptive
 from tf_dpadambc.keras.optimizers import base
+from tf_dpadambc.keras.optimizers import estimators
+
+_ARGS = """
+  Args:
+    l2_norm_clip, noise_multiplier, num_microbatches,
+    gradient_accumulation_steps, seed, clipping, automatic_gamma: see
+    :class:`~tf_dpadambc.keras.optimizers.base.DPOptimizer`.
+    learning_rate: η.
+    beta_1, beta_2: EMA decays of the first and second moments.
+    weight_decay: decoupled (AdamW) weight decay, as in Keras.
+"""
 
 
-class _AdamMoments(base.DPOptimizer):
-  """Adam's two EMAs of the private gradient; subclasses give the direction."""
-
-  def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001,
-               beta_1=0.9, beta_2=0.999, **kwargs):
-    for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
-      if not 0.0 <= beta < 1.0:
-        raise ValueError(f"{name} must be in [0, 1); got {beta!r}.")
-    super().__init__(l2_norm_clip, noise_multiplier,
-                     learning_rate=learning_rate, **kwargs)
-    self.beta_1 = float(beta_1)
-    self.beta_2 = float(beta_2)
-
-  def build(self, variables):
-    if self.built:
-      return
-    super().build(variables)
-    self._momentums, self._velocities = self.add_optimizer_variables(
-        variables, ["momentum", "velocity"])
-
-  def update_step(self, gradient, variable, learning_rate):
-    lr = keras.ops.cast(learning_rate, variable.dtype)
-    gradient = keras.ops.cast(gradient, variable.dtype)
-    step = keras.ops.cast(self.iterations + 1, variable.dtype)
-    index = self._get_variable_index(variable)
-    m, v = self._momentums[index], self._velocities[index]
-    self.assign(m, moments.ema(m, gradient, self.beta_1))
-    self.assign(v, moments.ema(v, keras.ops.square(gradient), self.beta_2))
-    direction = self._direction(moments.debias(m.value, self.beta_1, step),
-                                moments.debias(v.value, self.beta_2, step),
-                                step)
-    self.assign_sub(variable, lr * direction)
-
-  def _direction(self, m_hat, v_hat, step):
-    raise NotImplementedError
-
-  def get_config(self):
-    config = super().get_config()
-    config.update({"beta_1": self.beta_1, "beta_2": self.beta_2})
-    return config
+def _register(cls):
+  cls.__doc__ += _ARGS
+  return keras.saving.register_keras_serializable(package=base.PACKAGE)(cls)
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
-class DPAdam(_AdamMoments):
+@_register
+class DPAdam(estimators.PostProcessing, adaptive.AdamFamily):
   """DP-Adam by post-processing: Adam on the private mean gradient ḡ.
 
-      m ← β1 m + (1-β1) ḡ;  v ← β2 v + (1-β2) ḡ²
-      θ ← θ − η · m̂ / (√v̂ + ε)
+      m ← β1 m + (1-β1) ḡ;  v ← β2 v + (1-β2) ḡ²;  θ ← θ − η m̂ / (√v̂ + ε)
 
   Privacy: exactly DP-SGD's (same σ, sampling rate and steps).
   E[v̂] = v̂^clean + Φ with Φ = (σC/B)²: when Φ dominates, this is DP-SGD with
-  momentum under a decaying learning rate (Tang et al. 2024, Eq. 3). Algorithm
-  5 of Ganesh, McMahan & Thakurta (2025).
-
-  Args:
-    l2_norm_clip, noise_multiplier, num_microbatches,
-    gradient_accumulation_steps, seed: see :class:`DPOptimizer`.
-    learning_rate: η.
-    beta_1, beta_2: EMA decays of the first and second moments.
-    epsilon: ε added to √v̂ (on the bias-corrected v̂, as in the paper).
+  momentum under a decaying learning rate (Tang et al. 2024, Eq. 3;
+  ``tf_dpadambc.dpsgdm_equivalent_learning_rate``). Algorithm 5 of Ganesh,
+  McMahan & Thakurta (2025). ``epsilon``: ε added to √v̂.
   """
 
-  def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001,
-               beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="DPAdam",
-               **kwargs):
-    epsilon = base.check_positive("epsilon", epsilon, allow_zero=True)
-    super().__init__(l2_norm_clip, noise_multiplier,
-                     learning_rate=learning_rate, beta_1=beta_1,
-                     beta_2=beta_2, name=name, **kwargs)
-    self.epsilon = epsilon
 
-  def _direction(self, m_hat, v_hat, step):
-    return updates.adam_direction(m_hat, v_hat, self.epsilon)
-
-  def get_config(self):
-    config = super().get_config()
-    config["epsilon"] = self.epsilon
-    return config
-
-
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
-class DPAdamBC(_AdamMoments):
+@_register
+class DPAdamBC(estimators.BiasCorrection, adaptive.AdamFamily):
   """DP-AdamBC: Adam with the DP noise bias Φ removed from the second moment.
 
       θ ← θ − η · m̂ / sqrt(max(v̂ − Φ_t, γ'))
@@ -100,48 +53,55 @@ class DPAdamBC(_AdamMoments):
 
   Privacy: exactly DP-SGD's — Φ depends only on public σ, C, B, β2, t.
   Learning rates are typically 10–100x smaller than DP-Adam's, because the
-  step is m̂/√γ' wherever v̂ − Φ < γ'. The papers tune γ' in 1e-10 … 5e-8
-  (scale it with Φ).
-
-  Args:
-    l2_norm_clip, noise_multiplier, num_microbatches,
-    gradient_accumulation_steps, seed: see :class:`DPOptimizer`.
-    learning_rate: η.
-    beta_1, beta_2: EMA decays of the first and second moments.
-    gamma_prime: γ' > 0, the floor of the corrected second moment.
+  step is m̂/√γ' wherever v̂ − Φ < γ'. The papers tune ``gamma_prime`` γ' in
+  1e-10 … 5e-8 (scale it with Φ; ``tf_dpadambc.advise`` suggests one).
   """
 
-  def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001,
-               beta_1=0.9, beta_2=0.999, gamma_prime=1e-8, name="DPAdamBC",
-               **kwargs):
-    gamma_prime = base.check_positive("gamma_prime", gamma_prime)
-    super().__init__(l2_norm_clip, noise_multiplier,
-                     learning_rate=learning_rate, beta_1=beta_1,
-                     beta_2=beta_2, name=name, **kwargs)
-    self.gamma_prime = gamma_prime
 
-  def build(self, variables):
-    if self.built:
-      return
-    super().build(variables)
-    # EMA of the per-step noise variance; debiased like v it is Φ_t.
-    self._noise_variance_ema = self.add_variable(
-        (), initializer="zeros", dtype="float32", name="dp_phi_ema")
+@_register
+class DPAdamIME(estimators.IndependentMoments, adaptive.AdamFamily):
+  """DP-Adam with independent moment estimation (Ganesh et al. 2025, Alg. 6).
 
-  def _on_private_step(self, noise_variance):
-    self._noise_variance_ema.assign(
-        moments.ema(self._noise_variance_ema, noise_variance, self.beta_2))
+      m ← β1 m + (1-β1)(ḡ_c + (√2σC/B) z1)
+      v ← β2 v + (1-β2)(ḡ_c² + (√2σ(2B+1)C²/B²) z2)
+      θ ← θ − η m̂ / (sqrt(max(v̂, 0)) + ε)
 
-  def phi(self, step):
-    """Φ_t, the DP bias of v̂_t subtracted at (1-based) step t."""
-    return moments.debias(self._noise_variance_ema.value, self.beta_2, step)
+  Privacy: exactly DP-SGD's (two releases at √2σ compose to one at σ). The
+  first moment carries twice DP-SGD's noise variance; worthwhile when the
+  model is small relative to B/σ (``tf_dpadambc.advise``).
+  """
 
-  def _direction(self, m_hat, v_hat, step):
-    phi = keras.ops.cast(self.phi(step), v_hat.dtype)
-    return updates.bias_corrected_direction(m_hat, v_hat, phi,
-                                            self.gamma_prime)
 
-  def get_config(self):
-    config = super().get_config()
-    config["gamma_prime"] = self.gamma_prime
-    return config
+@_register
+class DPAdamJME(estimators.JointMoments, adaptive.AdamFamily):
+  """DP-Adam with joint moment estimation (Kalinin, Upadhyay & Lampert 2025).
+
+  One Gaussian release of (Σ clip(g_u), √λ Σ clip(g_u)²); v accumulates the
+  mean of the squared clipped per-example gradients;
+  θ ← θ − η m̂ / (sqrt(max(v̂, 0)) + ε). ``adjacency`` says how the extra
+  sensitivity is handled (noise under add/remove, or the reported DpEvent
+  under replace-one): see :class:`~.estimators.JointMoments`.
+  """
+
+
+@_register
+class DPAdamSTP(estimators.ScaleThenPrivatize, adaptive.AdamFamily):
+  """DP-Adam with scale-then-privatize (Ganesh et al. 2025, Algorithm 8).
+
+      s_t = 1/(sqrt(v̂_{t-1}) + ε_s1);  g̃ = (Σ clip_C(s_t⊙g_u) + N(0,σ²C²))/(B s_t)
+
+  then Adam on g̃. Privacy: exactly DP-SGD's. Best of the variants in
+  high dimension (Ganesh et al.'s TinyBERT run); C bounds the scaled gradient
+  and needs its own tuning. See :class:`~.estimators.ScaleThenPrivatize`.
+  """
+
+
+@_register
+class NoiselessPreconditionerAdam(estimators.NoiselessPreconditioner,
+                                  adaptive.AdamFamily):
+  """NOT PRIVATE research baseline: Adam with noisy m and a clean v.
+
+  m is built from the private ḡ, v from the un-noised mean of the clipped
+  gradients. Warns at construction; ``dp_event`` and the privacy statements
+  refuse to give it an ε.
+  """

@@ -11,6 +11,7 @@ train step that :func:`tf_dpadambc.make_private` installs. The ordinary Keras
 entry points (``apply``, ``apply_gradients``) receive gradients that were
 neither clipped per example nor noised, so they raise.
 """
+import collections
 import math
 import numbers
 import warnings
@@ -19,6 +20,8 @@ import keras
 import tensorflow as tf
 
 from tf_dpadambc.accounting import events
+from tf_dpadambc.core import clipping
+from tf_dpadambc.core import diagnostics
 from tf_dpadambc.core import noise
 
 PACKAGE = "tf_dpadambc"
@@ -45,6 +48,27 @@ def check_positive(name, value, allow_zero=False):
   return float(value)
 
 
+Release = collections.namedtuple("Release",
+                                 ["first", "second", "noise_variance"])
+Release.__doc__ = """What one logical step's privatization hands to the update.
+
+first: the private mean gradient ḡ, one tensor per variable (what Keras'
+  ``update_step`` receives).
+second: None, or a separately released second-moment input per variable
+  (independent / joint moment estimation).
+noise_variance: per-coordinate variance of the noise in ``first``.
+"""
+
+
+def check_clip(value):
+  """A clip norm C > 0, or a list of per-variable bounds C_k > 0."""
+  if isinstance(value, (list, tuple)):
+    if not value:
+      raise ValueError("l2_norm_clip: an empty list of per-layer clip norms.")
+    return [check_positive(f"l2_norm_clip[{i}]", c) for i, c in enumerate(value)]
+  return check_positive("l2_norm_clip", value)
+
+
 def check_count(name, value):
   if value is None:
     return None
@@ -58,7 +82,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   Args:
     l2_norm_clip: C > 0, the L2 bound on each unit's (example's or
-      microbatch's) gradient.
+      microbatch's) gradient; or a list with one bound C_k per trainable
+      variable (per-layer clipping: the noise std is σ·‖(C_k)‖₂, and Φ uses
+      it too).
     noise_multiplier: σ ≥ 0; the noise added to the clipped sum has std σC.
       ``0`` is accepted for debugging but the training is then NOT private
       (a warning is issued and the privacy report says so).
@@ -74,6 +100,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     seed: ``None`` (a secret seed from the OS, never saved) or an integer that
       makes the noise reproducible. Anyone who knows the seed can remove the
       noise: use it for debugging and tests, and keep it secret.
+    clipping: ``"standard"`` (g·min(1, C/‖g‖)) or ``"automatic"``
+      (g·C/(‖g‖+γ), Bu et al., NeurIPS 2023: every unit is normalized, so C
+      only scales the step; its sensitivity is still C).
+    automatic_gamma: γ > 0 of automatic clipping.
     learning_rate, **kwargs: as for ``keras.optimizers.Optimizer``
       (``weight_decay`` gives decoupled weight decay, at no privacy cost).
 
@@ -82,12 +112,20 @@ class DPOptimizer(keras.optimizers.Optimizer):
   Φ = (σC/B)² (normalised by the number of units actually in the step).
   """
 
+  # Names of the diagnostics (core.diagnostics.summarize) a class reports.
+  DIAGNOSTICS = ()
+
   def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
                gradient_accumulation_steps=None, seed=None,
-               learning_rate=0.001, name=None, **kwargs):
+               learning_rate=0.001, clipping="standard", automatic_gamma=0.01,
+               name=None, **kwargs):
     # Validate before Keras' __init__ so that bad input fails first; Keras
     # requires super().__init__() before any attribute is set.
-    l2_norm_clip = check_positive("l2_norm_clip", l2_norm_clip)
+    l2_norm_clip = check_clip(l2_norm_clip)
+    if clipping not in ("standard", "automatic"):
+      raise ValueError('clipping must be "standard" or "automatic"; got '
+                       f"{clipping!r}.")
+    automatic_gamma = check_positive("automatic_gamma", automatic_gamma)
     noise_multiplier = check_positive("noise_multiplier", noise_multiplier,
                                       allow_zero=True)
     num_microbatches = check_count("num_microbatches", num_microbatches)
@@ -99,8 +137,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if seed is not None and (isinstance(seed, bool)
                              or not isinstance(seed, numbers.Integral)):
       raise ValueError(f"seed must be None or an integer; got {seed!r}.")
-    super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+    super().__init__(learning_rate=learning_rate,
+                     name=name or self.__class__.__name__, **kwargs)
     self.l2_norm_clip = l2_norm_clip
+    self.clipping = clipping
+    self.automatic_gamma = automatic_gamma
     self.noise_multiplier = noise_multiplier
     self.num_microbatches = num_microbatches
     self.accumulation_steps = accumulation_steps
@@ -115,8 +156,34 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   @property
   def is_private(self):
-    """False when no noise is added (noise_multiplier == 0)."""
-    return self.noise_multiplier > 0
+    """False when no noise is added (noise_multiplier == 0) or the class is a
+    non-private research baseline."""
+    return self.noise_multiplier > 0 and not self._not_private_reason
+
+  @property
+  def sensitivity(self):
+    """L2 bound of one unit's clipped gradient: C, or ‖(C_k)‖₂ per layer."""
+    return self._clip_spec_for(self.l2_norm_clip).sensitivity
+
+  def _clip_spec_for(self, clip_norm, scale=None, square_sum=False):
+    layer_clips = None
+    if isinstance(clip_norm, list):
+      layer_clips, clip_norm = clip_norm, None
+    return clipping.ClipSpec(
+        clip_norm, layer_clips,
+        self.automatic_gamma if self.clipping == "automatic" else None,
+        scale, square_sum)
+
+  def clip_spec(self, trainable_variables):
+    """The :class:`~tf_dpadambc.core.clipping.ClipSpec` of the next step.
+
+    The train step clips units with it. Preconditioned variants (scale-then-
+    privatize, delayed or public preconditioners) put their current scale
+    s_t in it; it depends only on already released values.
+    """
+    if not self.built:
+      self.build(list(trainable_variables))
+    return self._clip_spec_for(self.l2_norm_clip)
 
   # ---------------------------------------------------------------- state
   def build(self, variables):
@@ -131,9 +198,19 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._max_batch_units = scalar("dp_max_batch_units")
     self._noise_variance = scalar("dp_noise_variance", "float32")
     self._max_physical_examples = scalar("dp_max_physical_examples")
+    self._diagnostics = {name: scalar(name, "float32")
+                         for name in self.DIAGNOSTICS}
+    if isinstance(self.l2_norm_clip, list) and (
+        len(self.l2_norm_clip) != len(variables)):
+      raise ValueError(
+          f"{len(self.l2_norm_clip)} per-layer clip norms for "
+          f"{len(variables)} trainable variables: give one per variable.")
     if self.accumulation_steps > 1:
       self._accumulated_sums = self.add_optimizer_variables(
           variables, "dp_clipped_sum")
+      self._accumulated_squares = (
+          self.add_optimizer_variables(variables, "dp_clipped_square_sum")
+          if self._uses_square_sum else [])
       self._accumulated_units = scalar("dp_accumulated_units")
       self._accumulated_examples = scalar("dp_accumulated_examples")
       self._physical_step = scalar("dp_physical_step")
@@ -143,6 +220,21 @@ class DPOptimizer(keras.optimizers.Optimizer):
     """Φ of the last logical step: (σC/B)², per coordinate of ḡ."""
     return self._noise_variance
 
+  # Joint moment estimation needs Σ clip(g_u)² from the train step.
+  _uses_square_sum = False
+
+  def diagnostics(self):
+    """The last step's diagnostics, name -> scalar (logged by ``fit``).
+
+    ``dp_v_over_phi``: mean over coordinates of v̂/Φ — near 1 when the
+    second moment is mostly DP noise. ``dp_clamped_fraction``: coordinates
+    where v̂ − Φ < γ' (bias correction). ``dp_negative_v_fraction``:
+    coordinates with v̂ < 0 (independent / joint moment estimation).
+    """
+    if not self.built:
+      return {}
+    return {name: v.value for name, v in self._diagnostics.items()}
+
   # ---------------------------------------------------------- the guard
   def apply(self, grads, trainable_variables=None):
     raise RuntimeError(
@@ -150,7 +242,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   # -------------------------------------------------- the private path
   def apply_private(self, clipped_sum, num_units, num_examples,
-                    trainable_variables=None):
+                    trainable_variables=None, clipped_square_sum=None):
     """Feeds one physical batch's clipped sum Σ_u clip_C(g_u) to the optimizer.
 
     With gradient accumulation the sums are stored until the k-th physical
@@ -159,34 +251,50 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     Args:
       clipped_sum: list of tensors shaped like the trainable variables, each
-        unit clipped to norm ≤ ``l2_norm_clip``.
+        unit clipped as :meth:`clip_spec` says; or a
+        :class:`~tf_dpadambc.core.clipping.ClippedSum`.
       num_units: number of clipped units in this physical batch.
       num_examples: number of examples in this physical batch.
       trainable_variables: the variables, in the order of ``clipped_sum``.
+      clipped_square_sum: Σ_u clip(g_u)², for optimizers that need it (joint
+        moment estimation); taken from a ``ClippedSum`` when given one.
     """
+    if isinstance(clipped_sum, clipping.ClippedSum):
+      clipped_sum, clipped_square_sum = (clipped_sum.grads,
+                                         clipped_sum.square_grads)
     if trainable_variables is None:
       trainable_variables = self._trainable_variables
     trainable_variables = list(trainable_variables)
     if not self.built:
       self.build(trainable_variables)
+    if self._uses_square_sum and clipped_square_sum is None:
+      raise ValueError(
+          f"{self.__class__.__name__} needs the sum of squared clipped "
+          "gradients: clip with `optimizer.clip_spec(...)` (the train step "
+          "of make_private does).")
+    squares = list(clipped_square_sum) if self._uses_square_sum else None
     num_units = tf.cast(num_units, tf.int64)
     num_examples = tf.cast(num_examples, tf.int64)
     self._max_physical_examples.assign(
         tf.maximum(self._max_physical_examples, num_examples))
     if self.accumulation_steps == 1:
-      self._release(clipped_sum, num_units, num_examples, trainable_variables)
+      self._release(clipped_sum, squares, num_units, num_examples,
+                    trainable_variables)
       return
 
-    for acc, s in zip(self._accumulated_sums, clipped_sum):
+    for acc, s in zip(self._accumulated_sums + self._accumulated_squares,
+                      list(clipped_sum) + (squares or [])):
       acc.assign_add(s)
     units = self._accumulated_units.assign_add(num_units)
     examples = self._accumulated_examples.assign_add(num_examples)
     step = self._physical_step.assign_add(1)
 
     def release():
-      self._release([acc.value for acc in self._accumulated_sums], units,
-                    examples, trainable_variables)
-      for acc in self._accumulated_sums:
+      self._release([acc.value for acc in self._accumulated_sums],
+                    ([acc.value for acc in self._accumulated_squares]
+                     if self._uses_square_sum else None),
+                    units, examples, trainable_variables)
+      for acc in self._accumulated_sums + self._accumulated_squares:
         acc.assign(tf.zeros_like(acc))
       self._accumulated_units.assign(0)
       self._accumulated_examples.assign(0)
@@ -195,21 +303,52 @@ class DPOptimizer(keras.optimizers.Optimizer):
     tf.cond(step % self.accumulation_steps == 0, release,
             lambda: tf.constant(False))
 
-  def _release(self, clipped_sum, num_units, num_examples, variables):
+  def _release(self, clipped_sum, clipped_square_sum, num_units,
+               num_examples, variables):
     """One logical step: noise once, normalise by B, update the weights."""
     seed = noise.step_seed(self._seed_pair, self._iterations)
-    noisy_mean, noise_variance = noise.gaussian_release(
-        clipped_sum, self.l2_norm_clip, self.noise_multiplier, num_units, seed)
-    self._noise_variance.assign(noise_variance)
+    release = self._privatize(clipped_sum, clipped_square_sum, num_units, seed)
+    self._noise_variance.assign(release.noise_variance)
     self._max_batch_units.assign(tf.maximum(self._max_batch_units, num_units))
     self._max_batch_examples.assign(
         tf.maximum(self._max_batch_examples, num_examples))
-    self._on_private_step(noise_variance)
+    self._on_private_step(release)
+    # update_step reads the step's release and reports statistics; both live
+    # only while this (traced) call runs.
+    # (object.__setattr__: plain Python state, kept out of Keras' tracking.)
+    object.__setattr__(self, "_step_release", release)
+    object.__setattr__(self, "_step_statistics", [])
     # Keras' own apply: weight decay, update_step per variable, iterations += 1.
-    keras.optimizers.Optimizer.apply(self, noisy_mean, variables)
+    keras.optimizers.Optimizer.apply(self, release.first, variables)
+    if self._step_statistics:
+      for name, value in diagnostics.summarize(self._step_statistics).items():
+        if name in self._diagnostics:
+          self._diagnostics[name].assign(value)
+    object.__setattr__(self, "_step_release", None)
 
-  def _on_private_step(self, noise_variance):
+  def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
+    """The Gaussian mechanism on the clipped sum (DP-SGD's release).
+
+    Noise std σ·Δ with Δ the clipping's sensitivity (C or ‖(C_k)‖₂).
+    Variants that release more (IME, JME) or in another geometry (scale-then-
+    privatize) override this.
+    """
+    del clipped_square_sum
+    noisy_mean, noise_variance = noise.gaussian_release(
+        clipped_sum, self._step_sensitivity(), self.noise_multiplier,
+        num_units, seed)
+    return Release(noisy_mean, None, noise_variance)
+
+  def _step_sensitivity(self):
+    """Δ of this step's clipped sum (a step-dependent tensor for DP²)."""
+    return self.sensitivity
+
+  def _on_private_step(self, release):
     """Hook for per-step (not per-variable) state, before ``update_step``."""
+
+  def _report(self, statistics):
+    """Called by ``update_step`` with core.diagnostics.moment_statistics."""
+    self._step_statistics.append(statistics)
 
   # ------------------------------------------------------- accounting
   @property
@@ -227,7 +366,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
       several = int(self._max_batch_examples.numpy()) > units
     else:
       several = self.num_microbatches is not None
-    return self.noise_multiplier / 2 if several else self.noise_multiplier
+    sigma = self.noise_multiplier * self._accounting_noise_factor
+    return sigma / 2 if several else sigma
+
+  # Ratio of the σ the accounting may use to the configured σ (< 1 where a
+  # release has more sensitivity than its noise pays for, e.g. JME).
+  _accounting_noise_factor = 1.0
+
+  # Set by research baselines that apply un-noised statistics.
+  _not_private_reason = None
 
   @property
   def steps_taken(self):
@@ -251,6 +398,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         ``"shuffle"`` (each example once per epoch, no amplification).
       steps: number of logical steps; defaults to the steps taken so far.
     """
+    if self._not_private_reason:
+      raise ValueError(
+          f"{self.__class__.__name__} has no ε: {self._not_private_reason}")
     batch_size = batch_size or self.logical_batch_size
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
@@ -287,7 +437,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def _accumulation_state(self):
     if not self.built or self.accumulation_steps == 1:
       return []
-    return list(self._accumulated_sums) + [
+    return list(self._accumulated_sums) + list(self._accumulated_squares) + [
         self._accumulated_units, self._accumulated_examples,
         self._physical_step]
 
@@ -326,5 +476,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "gradient_accumulation_steps": (
             None if self.accumulation_steps == 1 else self.accumulation_steps),
         "seed": self.seed,
+        "clipping": self.clipping,
+        "automatic_gamma": self.automatic_gamma,
     })
     return config

@@ -1,0 +1,43 @@
+"""What the DP noise does to the second moment, cheap enough for every step.
+
+Tang et al. (2024) and Ganesh et al. (2025) diagnose private Adam by how v̂
+compares with the noise bias Φ: v̂/Φ ≈ 1 means the preconditioner sees only
+noise ("your DP-Adam is actually DP-SGD"); with bias correction, coordinates
+where v̂ − Φ < γ' take the floor γ'; unbiased estimates (IME, JME) can be < 0.
+"""
+import collections
+
+import tensorflow as tf
+
+MomentStatistics = collections.namedtuple(
+    "MomentStatistics",
+    ["ratio_sum", "num_clamped", "num_negative", "count"])
+MomentStatistics.__doc__ = """Sums over the coordinates of one tensor.
+
+ratio_sum: Σ v̂/Φ. num_clamped: #(v̂ − Φ < γ'), 0 without a floor.
+num_negative: #(v̂ < 0). count: number of coordinates.
+"""
+
+
+def moment_statistics(v_hat, phi, floor=None):
+  """:class:`MomentStatistics` of one tensor's v̂ against its noise bias Φ."""
+  v_hat = tf.cast(v_hat, tf.float32)
+  phi = tf.cast(phi, tf.float32)
+  ratio = v_hat / tf.maximum(phi, 1e-38)
+  clamped = (tf.reduce_sum(tf.cast(v_hat - phi < floor, tf.float32))
+             if floor is not None else tf.constant(0.0))
+  return MomentStatistics(
+      tf.reduce_sum(ratio), clamped,
+      tf.reduce_sum(tf.cast(v_hat < 0, tf.float32)),
+      tf.cast(tf.size(v_hat), tf.float32))
+
+
+def summarize(statistics):
+  """Mean v̂/Φ, clamped fraction and negative fraction over all tensors."""
+  total = MomentStatistics(*[tf.add_n(list(s)) for s in zip(*statistics)])
+  count = tf.maximum(total.count, 1.0)
+  return {
+      "dp_v_over_phi": total.ratio_sum / count,
+      "dp_clamped_fraction": total.num_clamped / count,
+      "dp_negative_v_fraction": total.num_negative / count,
+  }
