@@ -10,7 +10,8 @@
 
 Layout (the path a gradient takes): ``core.per_example`` → ``core.clipping``
 → ``core.noise`` → ``core.moments`` → ``core.updates``; ``accounting`` for ε;
-``keras`` for the Keras 3 optimizers and train step.
+``keras`` for the Keras 3 optimizers and train step; ``theory`` and
+``advisor`` for the papers' formulas and a regime verdict.
 """
 from tf_dpadambc._version import __version__
 from tf_dpadambc.accounting import PrivacyBudget
@@ -20,10 +21,17 @@ from tf_dpadambc.accounting import dp_sgd_event
 from tf_dpadambc.accounting import epsilon_of_event
 from tf_dpadambc.accounting import optimizer_privacy_statement
 from tf_dpadambc.accounting import privacy_statement
+from tf_dpadambc.advisor import Advice
+from tf_dpadambc.advisor import advise
 from tf_dpadambc.keras import *  # noqa: F401,F403
+from tf_dpadambc.theory import bias_correction_error_bound
+from tf_dpadambc.theory import dpsgdm_equivalent_learning_rate
+from tf_dpadambc.theory import dpsgdm_equivalent_momentum
 from tf_dpadambc.keras import __all__ as _KERAS
 
 __all__ = list(_KERAS) + [
+    "Advice", "advise", "bias_correction_error_bound",
+    "dpsgdm_equivalent_learning_rate", "dpsgdm_equivalent_momentum",
     "PrivacyBudget", "compute_epsilon", "compute_noise_multiplier",
     "dp_sgd_event", "epsilon_of_event", "optimizer_privacy_statement",
     "privacy_statement", "__version__",

@@ -23,7 +23,8 @@ def bias_corrected_direction(m_hat, v_hat, phi, gamma_prime):
 
   Φ is subtracted after Adam's own 1/(1−β2^t) correction; γ' is a floor
   inside the max (no additive ε). Where v̂ − Φ < γ' the step is m̂/√γ', much
-  larger than Adam's: learning rates are typically 10–100x smaller.
+  larger than Adam's: learning rates are smaller (1.4–10x in Tang et al.'s
+  tuned runs).
   """
   return m_hat / tf.sqrt(tf.maximum(v_hat - phi, gamma_prime))
 
@@ -37,13 +38,16 @@ def momentum_velocity(velocity, gradient, momentum, learning_rate):
   return momentum * velocity - learning_rate * gradient
 
 
-def clamped_direction(m_hat, v_hat, epsilon):
-  """Δ = m̂ / (sqrt(max(v̂, 0)) + ε) for unbiased, possibly negative v̂.
+def clamped_direction(m_hat, v_hat, epsilon, floor=0.0):
+  """Δ = m̂ / max(sqrt(max(v̂, 0)) + ε, floor) for unbiased, possibly negative v̂.
 
   Independent and joint moment estimation (Ganesh et al. 2025, Algorithm 6;
   Kalinin et al. 2025) release v̂ with zero-mean noise, so it can be negative.
+  ``floor`` = 0 is Algorithm 6; Ganesh et al.'s Fig. 2 uses ε = 0, floor = 1
+  (a learning rate η/max(1, √v̂)), which bounds the step where v̂ ≤ 0.
   """
-  return m_hat / (tf.sqrt(tf.maximum(v_hat, tf.zeros_like(v_hat))) + epsilon)
+  denominator = tf.sqrt(tf.maximum(v_hat, tf.zeros_like(v_hat))) + epsilon
+  return m_hat / tf.maximum(denominator, floor)
 
 
 def preconditioner_scale(v_hat, epsilon):

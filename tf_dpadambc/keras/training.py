@@ -154,6 +154,8 @@ def _refresh_public_preconditioner(model, optimizer):
   """
   x_pub, y_pub = optimizer.public_data
   size = min(optimizer.public_batch_size, len(x_pub))
+  if not optimizer.built:
+    optimizer.build(model.trainable_variables)
 
   def refresh():
     seed = tf.stack([tf.cast(optimizer.iterations, tf.int64),

@@ -63,8 +63,8 @@ class BiasCorrection(adaptive.Adaptive):
       Δ = first / sqrt(max(v̂ − Φ_t, γ'))
 
   Φ_t is tracked exactly for the family (see ``adaptive.py``); γ' is a floor,
-  not an additive ε. Where v̂ − Φ_t < γ' the step is first/√γ' — learning
-  rates are typically 10–100x smaller than post-processing's. Ganesh et al.
+  not an additive ε. Where v̂ − Φ_t < γ' the step is first/√γ' — tuned
+  learning rates are smaller than post-processing's (1.4–10x in Tang et al.). Ganesh et al.
   2025, Algorithm 7. Privacy: exactly DP-SGD's (Φ depends only on σ, C, B, β).
 
   Logs ``dp_clamped_fraction``, the share of coordinates at the floor.
@@ -93,15 +93,34 @@ class BiasCorrection(adaptive.Adaptive):
 
 
 class _UnbiasedSecondMoment(_Epsilon):
-  """v accumulates a separately released, unbiased (possibly < 0) x_t."""
+  """v accumulates a separately released, unbiased (possibly < 0) x_t.
+
+  Δ = first / max(sqrt(max(v̂, 0)) + ε, floor). Where the noise drives v̂ to
+  ≤ 0 the step is first/ε: with Adam's tiny ε it can blow up, which is how
+  these estimators fail in high dimension (Ganesh et al. 2025, §4.4).
+  ``denominator_floor`` (e.g. 1, as in their Fig. 2, or a multiple of √Φ)
+  bounds it; the default 0 is Algorithm 6 as printed.
+  """
 
   DIAGNOSTICS = adaptive.Adaptive.DIAGNOSTICS + ("dp_negative_v_fraction",)
+
+  def __init__(self, *args, denominator_floor=0.0, **kwargs):
+    floor = base.check_positive("denominator_floor", denominator_floor,
+                                allow_zero=True)
+    super().__init__(*args, **kwargs)
+    self.denominator_floor = floor
 
   def _second_moment_input(self, index, gradient):
     return self._step_release.second[index]
 
   def _direction(self, first, v_hat, phi):
-    return updates.clamped_direction(first, v_hat, self.epsilon)
+    return updates.clamped_direction(first, v_hat, self.epsilon,
+                                     self.denominator_floor)
+
+  def get_config(self):
+    config = super().get_config()
+    config["denominator_floor"] = self.denominator_floor
+    return config
 
 
 class IndependentMoments(_UnbiasedSecondMoment):
