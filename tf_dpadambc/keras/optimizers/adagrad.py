@@ -1,6 +1,4 @@
 """Private AdaGrad: the AdaGrad family composed with each estimator."""
-import keras
-
 from tf_dpadambc.keras.optimizers import adaptive
 from tf_dpadambc.keras.optimizers import base
 from tf_dpadambc.keras.optimizers import estimators
@@ -13,10 +11,7 @@ _ARGS = """
   The estimator's own arguments: see ``estimators.py``.
 """
 
-
-def _register(cls):
-  cls.__doc__ += _ARGS
-  return keras.saving.register_keras_serializable(package=base.PACKAGE)(cls)
+_register = base.register(_ARGS)
 
 
 @_register

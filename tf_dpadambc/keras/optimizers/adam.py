@@ -3,8 +3,6 @@
 Decoupled weight decay (AdamW) is Keras' ``weight_decay`` argument for every
 class here (θ ← θ − η·λ_wd·θ before the step; no privacy cost).
 """
-import keras
-
 from tf_dpadambc.keras.optimizers import adaptive
 from tf_dpadambc.keras.optimizers import base
 from tf_dpadambc.keras.optimizers import estimators
@@ -19,10 +17,7 @@ _ARGS = """
     weight_decay: decoupled (AdamW) weight decay, as in Keras.
 """
 
-
-def _register(cls):
-  cls.__doc__ += _ARGS
-  return keras.saving.register_keras_serializable(package=base.PACKAGE)(cls)
+_register = base.register(_ARGS)
 
 
 @_register

@@ -40,6 +40,14 @@ _AGGREGATED_GRADIENTS_ERROR = (
     "`optimizer.apply_private(...)`.")
 
 
+def register(args_doc):
+  """Class decorator: append the shared ``Args`` text, register for saving."""
+  def decorate(cls):
+    cls.__doc__ += args_doc
+    return keras.saving.register_keras_serializable(package=PACKAGE)(cls)
+  return decorate
+
+
 def check_positive(name, value, allow_zero=False):
   if (not isinstance(value, numbers.Real) or isinstance(value, bool)
       or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)):
