@@ -168,7 +168,7 @@ def _refresh_public_preconditioner(model, optimizer):
       loss = _compat.compiled_loss(model)(yb, model(xb, training=False), None)
     grads = tape.gradient(loss, model.trainable_variables,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    optimizer.observe_public_gradients(grads)
+    optimizer.observe_public_gradients(grads, model.trainable_variables)
     return tf.constant(True)
 
   tf.cond(optimizer.refresh_due(), refresh, lambda: tf.constant(False))

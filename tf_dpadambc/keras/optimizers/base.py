@@ -315,6 +315,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
                num_examples, variables):
     """One logical step: noise once, normalise by B, update the weights."""
     seed = noise.step_seed(self._seed_pair, self._iterations)
+    # Releases are ordered like `variables`, which may be a subset of the
+    # variables the optimizer was built with: update_step maps its variable
+    # index to the release's position (see _position).
+    object.__setattr__(self, "_step_variables", variables)
+    object.__setattr__(self, "_step_positions", {
+        self._get_variable_index(v): i for i, v in enumerate(variables)})
     release = self._privatize(clipped_sum, clipped_square_sum, num_units, seed)
     self._noise_variance.assign(release.noise_variance)
     self._max_batch_units.assign(tf.maximum(self._max_batch_units, num_units))
@@ -353,6 +359,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def _on_private_step(self, release):
     """Hook for per-step (not per-variable) state, before ``update_step``."""
+
+  def _position(self, index):
+    """Position in this step's release of the variable of optimizer index i."""
+    return self._step_positions[index]
 
   def _report(self, statistics):
     """Called by ``update_step`` with core.diagnostics.moment_statistics."""

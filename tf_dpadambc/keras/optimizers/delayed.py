@@ -71,17 +71,19 @@ class _DelayedPreconditioner(base.DPOptimizer):
     return tf.where(self._in_sgd_phase(), tf.constant(self.l2_norm_clip),
                     tf.constant(c2))
 
-  def preconditioner(self, trainable_variables=None):
+  def preconditioner(self, trainable_variables):
     """The scale s of the next step: 1 in the SGD phase, 1/(√A + ε) after."""
     sgd = self._in_sgd_phase()
+    slots = [self._preconditioners[self._get_variable_index(v)]
+             for v in trainable_variables]
     return [tf.where(sgd, tf.ones_like(a),
                      updates.preconditioner_scale(a.value, self.epsilon))
-            for a in self._preconditioners]
+            for a in slots]
 
   def clip_spec(self, trainable_variables):
     spec = super().clip_spec(trainable_variables)
     return spec._replace(l2_norm_clip=self._step_sensitivity(),
-                         scale=self.preconditioner())
+                         scale=self.preconditioner(trainable_variables))
 
   def update_step(self, gradient, variable, learning_rate):
     index = self._get_variable_index(variable)

@@ -111,7 +111,7 @@ class _UnbiasedSecondMoment(_Epsilon):
     self.denominator_floor = floor
 
   def _second_moment_input(self, index, gradient):
-    return self._step_release.second[index]
+    return self._step_release.second[self._position(index)]
 
   def _direction(self, first, v_hat, phi):
     return updates.clamped_direction(first, v_hat, self.epsilon,
@@ -256,20 +256,21 @@ class ScaleThenPrivatize(_Epsilon):
     super().__init__(*args, **kwargs)
     self.scale_epsilon = scale_epsilon
 
-  def preconditioner(self, trainable_variables=None):
-    """s_t for the next step, one tensor per variable."""
+  def preconditioner(self, trainable_variables):
+    """s_t for the next step, one tensor per variable in ``trainable_variables``."""
     return [updates.preconditioner_scale(
-        self._estimate(v.value, self.iterations), self.scale_epsilon)
-            for v in self._velocities]
+        self._estimate(self._velocities[self._get_variable_index(v)].value,
+                       self.iterations), self.scale_epsilon)
+            for v in trainable_variables]
 
   def clip_spec(self, trainable_variables):
     spec = super().clip_spec(trainable_variables)
-    return spec._replace(scale=self.preconditioner())
+    return spec._replace(scale=self.preconditioner(trainable_variables))
 
   def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
     release = super()._privatize(clipped_sum, clipped_square_sum, num_units,
                                  seed)
-    scale = self.preconditioner()
+    scale = self.preconditioner(self._step_variables)
     object.__setattr__(self, "_step_scale", scale)
     return release._replace(first=[g / tf.cast(s, g.dtype) for g, s
                                    in zip(release.first, scale)])
@@ -278,7 +279,8 @@ class ScaleThenPrivatize(_Epsilon):
     return updates.adam_direction(first, v_hat, self.epsilon)
 
   def _statistics(self, index, v_hat, phi):
-    scale = keras.ops.cast(self._step_scale[index], v_hat.dtype)
+    scale = keras.ops.cast(self._step_scale[self._position(index)],
+                           v_hat.dtype)
     return diagnostics.moment_statistics(v_hat * scale * scale, phi)
 
   def get_config(self):
@@ -316,7 +318,7 @@ class NoiselessPreconditioner(_Epsilon):
     return release._replace(second=clean)
 
   def _second_moment_input(self, index, gradient):
-    return self._step_release.second[index]
+    return self._step_release.second[self._position(index)]
 
   def _direction(self, first, v_hat, phi):
     return updates.adam_direction(first, v_hat, self.epsilon)

@@ -101,9 +101,11 @@ class DPAdamPublicPreconditioner(base.DPOptimizer):
     """True on the steps where the public second moment is refreshed."""
     return tf.equal(self.iterations % self.refresh_every, 0)
 
-  def observe_public_gradients(self, gradients):
+  def observe_public_gradients(self, gradients, trainable_variables):
     """A ← β2 A + (1-β2) ḡ_pub² from one public minibatch's mean gradient."""
-    for slot, g in zip(self._public_moments, gradients):
+    slots = [self._public_moments[self._get_variable_index(v)]
+             for v in trainable_variables]
+    for slot, g in zip(slots, gradients):
       fresh = tf.equal(self._refreshes, 0)
       # The first refresh replaces the initial value instead of averaging
       # with it, so Â needs no 1/(1-β2^n) correction.
@@ -111,14 +113,15 @@ class DPAdamPublicPreconditioner(base.DPOptimizer):
                            moments.ema(slot, tf.square(g), self.beta_2)))
     self._refreshes.assign_add(1)
 
-  def preconditioner(self, trainable_variables=None):
-    """s = 1/(sqrt(A) + ε), one tensor per variable."""
-    return [updates.preconditioner_scale(a.value, self.epsilon)
-            for a in self._public_moments]
+  def preconditioner(self, trainable_variables):
+    """s = 1/(sqrt(A) + ε), one tensor per variable in ``trainable_variables``."""
+    return [updates.preconditioner_scale(
+        self._public_moments[self._get_variable_index(v)].value, self.epsilon)
+            for v in trainable_variables]
 
   def clip_spec(self, trainable_variables):
     spec = super().clip_spec(trainable_variables)
-    return spec._replace(scale=self.preconditioner())
+    return spec._replace(scale=self.preconditioner(trainable_variables))
 
   def update_step(self, gradient, variable, learning_rate):
     index = self._get_variable_index(variable)
