@@ -43,20 +43,24 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
   return _format(num_examples, batch_size, optimizer.steps_taken,
                  optimizer.noise_multiplier,
                  optimizer.accounted_noise_multiplier(num_examples), delta,
-                 accountant, event("poisson"), event("shuffle"))
+                 accountant, event("poisson"), event("shuffle"),
+                 reason=getattr(optimizer, "accounting_reason", None))
+
+
+_TWO_C = ("some steps can change by 2C when one example is added or removed — "
+          "microbatches of several examples, or an accumulated batch spanning "
+          "two epochs")
 
 
 def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
-            accountant, poisson_event, shuffle_event):
+            accountant, poisson_event, shuffle_event, reason=None):
   lines = [
       "Differential privacy statement (tf_dpadambc)",
       f"  training examples N = {num_examples:,}, batch size B = {batch_size}"
       f" (q = B/N = {batch_size / num_examples:.4g}), steps = {steps:,} "
       f"({steps * batch_size / num_examples:.3g} epochs)",
       f"  noise multiplier σ = {noise_multiplier:g}"
-      + (f" (accounted as σ = {sigma:g}: some steps can change by 2C when one "
-         "example is added or removed — microbatches of several examples, or "
-         "an accumulated batch spanning two epochs)"
+      + (f" (accounted as σ = {sigma:g}: {reason or _TWO_C})"
          if sigma < noise_multiplier else ""),
       f"  δ = {delta:g}; adjacency: adding or removing one training example; "
       f"accountant: {accountant.upper()} (dp_accounting)",

@@ -208,6 +208,16 @@ class JointMoments(_UnbiasedSecondMoment):
       return 1.0  # the noise pays for the add/remove sensitivity
     return self.l2_norm_clip / self.add_remove_sensitivity
 
+  @property
+  def accounting_reason(self):
+    """Why the accounted σ is below σ (for the privacy statement)."""
+    if self.adjacency == "add_remove":
+      return None
+    return (f"JME with adjacency='replace_one' adds DP-SGD's noise σC, but "
+            "the joint release (Σ clip g, √λ Σ clip g²) has add/remove "
+            f"sensitivity sqrt(C² + λC⁴) = {self.add_remove_sensitivity:.4g}, "
+            "which the add/remove accounting charges")
+
   def clip_spec(self, trainable_variables):
     spec = super().clip_spec(trainable_variables)
     return spec._replace(square_sum=True)

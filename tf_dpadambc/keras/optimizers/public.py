@@ -98,8 +98,16 @@ class DPAdamPublicPreconditioner(base.DPOptimizer):
     self._refreshes.assign(0)
 
   def refresh_due(self):
-    """True on the steps where the public second moment is refreshed."""
-    return tf.equal(self.iterations % self.refresh_every, 0)
+    """True at the start of the logical steps where A is refreshed.
+
+    With gradient accumulation only the first physical batch of a logical
+    step refreshes, so every physical batch of the step is clipped in the
+    same geometry.
+    """
+    due = tf.equal(self.iterations % self.refresh_every, 0)
+    if self.accumulation_steps > 1:
+      due &= tf.equal(self._physical_step % self.accumulation_steps, 0)
+    return due
 
   def observe_public_gradients(self, gradients, trainable_variables):
     """A ← β2 A + (1-β2) ḡ_pub² from one public minibatch's mean gradient."""
