@@ -326,3 +326,17 @@ def test_training_continues_after_freezing_a_layer(cls, extra):
   assert all(np.any(w.numpy() != r)
              for w, r in zip(model.trainable_variables, rest))
   assert opt.steps_taken == 1
+
+
+def test_learning_rate_is_the_third_positional_argument_of_every_optimizer():
+  # As in DPSGD and Keras' own optimizers: DPAdamBC(C, σ, η).
+  import warnings
+  for name in dp.__all__:
+    cls = getattr(dp, name)
+    if not (isinstance(cls, type) and issubclass(cls, dp.DPOptimizer)) or (
+        cls is dp.DPOptimizer):
+      continue
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      opt = cls(1.0, 1.0, 0.0123)
+    assert float(opt.learning_rate) == pytest.approx(0.0123), name

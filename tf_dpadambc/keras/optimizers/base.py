@@ -123,9 +123,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
   # Names of the diagnostics (core.diagnostics.summarize) a class reports.
   DIAGNOSTICS = ()
 
-  def __init__(self, l2_norm_clip, noise_multiplier, num_microbatches=None,
-               gradient_accumulation_steps=None, seed=None,
-               learning_rate=0.001, clipping="standard", automatic_gamma=0.01,
+  def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001,
+               num_microbatches=None, gradient_accumulation_steps=None,
+               seed=None, clipping="standard", automatic_gamma=0.01,
                name=None, **kwargs):
     # Validate before Keras' __init__ so that bad input fails first; Keras
     # requires super().__init__() before any attribute is set.
@@ -359,6 +359,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def _on_private_step(self, release):
     """Hook for per-step (not per-variable) state, before ``update_step``."""
+    del release  # (a body AutoGraph can convert)
 
   def _position(self, index):
     """Position in this step's release of the variable of optimizer index i."""

@@ -255,6 +255,10 @@ class ScaleThenPrivatize(_Epsilon):
   much larger than Adam's ε (default 1e-3) so that rarely-updated coordinates
   are not scaled up without bound.
 
+  Stability needs σC/B < 1: the noise in original coordinates grows with
+  √v̂, so v̂ ≈ (σC/B)²(√v̂ + ε_s1)² has no fixed point when σC/B ≥ 1 and v̂
+  grows without bound (observed: divergence at σC/B ≈ 4.7).
+
   ``dp_v_over_phi`` is computed in the scaled geometry (v̂ s_t² / Φ), where
   the noise is isotropic.
 
