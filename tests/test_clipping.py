@@ -148,3 +148,21 @@ def test_vectorization_never_falls_back_to_a_while_loop():
         lambda: 0.0, [], tf.float32), ()
   with pytest.raises(Exception):
     per_example.per_unit_norms(unit_loss_fn, [tf.ones([3])], tf.ones([4, 3]))
+
+
+def test_a_list_of_clip_norms_means_per_layer_clipping():
+  # A bare list (as DPOptimizer.l2_norm_clip holds it) must clip each tensor
+  # to its own bound, never be broadcast against the units.
+  from tf_dpadambc.core import clipping as clipping_lib
+  rng = np.random.default_rng(3)
+  grads = [tf.constant(rng.normal(size=(2, 5)) * 10, tf.float32),
+           tf.constant(rng.normal(size=(2, 3)) * 10, tf.float32)]
+  spec = clipping_lib.as_spec([0.5, 2.0])
+  assert spec.layer_clips == [0.5, 2.0]
+  assert spec.sensitivity == pytest.approx(np.hypot(0.5, 2.0))
+  result = clipping_lib.materialized_clipped_sum(grads, [0.5, 2.0])
+  # Two units, each tensor clipped to its bound (all norms ≫ bound).
+  for total, bound, g in zip(result.grads, (0.5, 2.0), grads):
+    per_unit = g.numpy() * (bound / np.linalg.norm(g.numpy(), axis=1,
+                                                   keepdims=True))
+    np.testing.assert_allclose(total.numpy(), per_unit.sum(0), rtol=1e-5)

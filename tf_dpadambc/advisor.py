@@ -21,11 +21,13 @@ thresholds).
 """
 import dataclasses
 import math
-import numbers
 
 import numpy as np
 
 from tf_dpadambc import theory
+from tf_dpadambc._checks import check_count
+from tf_dpadambc._checks import check_decay
+from tf_dpadambc._checks import check_positive
 
 LOW_DIMENSIONAL = "low-dimensional"
 INTERMEDIATE = "intermediate"
@@ -56,7 +58,7 @@ def regime_constant(beta_2=0.999):
 
   The "0.15" of their §4.4.1 Eqs. 2–3 is c at β2 = 0.999 (1/1999^{1/4}).
   """
-  beta_2 = theory.check_decay("beta_2", beta_2)
+  beta_2 = check_decay("beta_2", beta_2)
   return ((1.0 - beta_2) / (1.0 + beta_2)) ** 0.25
 
 
@@ -223,14 +225,6 @@ def _count_parameters(model):
   return count
 
 
-def _check_count(name, value):
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise ValueError(f"{name} must be an integer; got {value!r}.")
-  if value < 1:
-    raise ValueError(f"{name} must be ≥ 1; got {value!r}.")
-  return int(value)
-
-
 def advise(batch_size, noise_multiplier, l2_norm_clip, num_parameters=None,
            *, model=None, gradient_accumulation_steps=1, beta_1=0.9,
            beta_2=0.999):
@@ -269,14 +263,14 @@ def advise(batch_size, noise_multiplier, l2_norm_clip, num_parameters=None,
     raise ValueError("Pass exactly one of num_parameters and model.")
   if model is not None:
     num_parameters = _count_parameters(model)
-  num_parameters = _check_count("num_parameters", num_parameters)
-  accumulation = _check_count("gradient_accumulation_steps",
-                              gradient_accumulation_steps)
-  batch = theory.check_positive("batch_size", batch_size) * accumulation
+  num_parameters = check_count("num_parameters", num_parameters, allow_none=False)
+  accumulation = check_count("gradient_accumulation_steps",
+                              gradient_accumulation_steps, allow_none=False)
+  batch = check_positive("batch_size", batch_size) * accumulation
   if batch < 1:
     raise ValueError(f"The logical batch size must be ≥ 1; got {batch:g}.")
-  sigma = theory.check_positive("noise_multiplier", noise_multiplier)
-  beta_1 = theory.check_decay("beta_1", beta_1)
+  sigma = check_positive("noise_multiplier", noise_multiplier)
+  beta_1 = check_decay("beta_1", beta_1)
   constant = regime_constant(beta_2)
   noise_variance = theory.phi(batch, l2_norm_clip, sigma)
 

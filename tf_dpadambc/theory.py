@@ -14,32 +14,12 @@ which is also the bias of Adam's debiased second moment:
 E[v̂_t] = v̂_t^clean + Φ (Tang et al. 2024, Eq. 2).
 """
 import math
-import numbers
 
 import numpy as np
 
+from tf_dpadambc._checks import check_decay
+from tf_dpadambc._checks import check_positive
 from tf_dpadambc.core import moments
-
-
-def check_positive(name, value, allow_zero=False):
-  """``value`` as a float if finite and > 0 (≥ 0: allow_zero), else raise."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"{name} must be a real number; got {value!r}.")
-  value = float(value)
-  ok = value >= 0 if allow_zero else value > 0
-  if not ok or not math.isfinite(value):
-    bound = "≥ 0" if allow_zero else "> 0"
-    raise ValueError(f"{name} must be finite and {bound}; got {value!r}.")
-  return value
-
-
-def check_decay(name, value):
-  """``value`` as a float if in [0, 1) (an EMA decay β); else ValueError."""
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"{name} must be a real number; got {value!r}.")
-  if not 0.0 <= float(value) < 1.0:
-    raise ValueError(f"{name} must be in [0, 1); got {value!r}.")
-  return float(value)
 
 
 def _check_steps(step):

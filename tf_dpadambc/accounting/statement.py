@@ -44,7 +44,7 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
                  optimizer.noise_multiplier,
                  optimizer.accounted_noise_multiplier(num_examples), delta,
                  accountant, event("poisson"), event("shuffle"),
-                 reason=getattr(optimizer, "accounting_reason", None))
+                 reason=optimizer.accounting_reason)
 
 
 _TWO_C = ("some steps can change by 2C when one example is added or removed — "

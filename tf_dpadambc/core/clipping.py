@@ -81,8 +81,12 @@ class ClipSpec(collections.namedtuple(
 
 
 def as_spec(clip):
-  """A :class:`ClipSpec` from a spec or a bare clip norm C."""
-  return clip if isinstance(clip, ClipSpec) else ClipSpec(clip)
+  """A :class:`ClipSpec` from a spec, a clip norm C, or per-layer bounds [C_k]."""
+  if isinstance(clip, ClipSpec):
+    return clip
+  if isinstance(clip, (list, tuple)):
+    return ClipSpec(None, list(clip))
+  return ClipSpec(clip)
 
 
 def clip_factors(norms, l2_norm_clip, automatic_gamma=None):

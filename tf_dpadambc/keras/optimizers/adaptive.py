@@ -27,12 +27,6 @@ from tf_dpadambc.core import moments
 from tf_dpadambc.keras.optimizers import base
 
 
-def _check_decay(name, value):
-  if not 0.0 <= value < 1.0:
-    raise ValueError(f"{name} must be in [0, 1); got {value!r}.")
-  return float(value)
-
-
 class Adaptive(base.DPOptimizer):
   """The moment-estimation stage shared by every adaptive private optimizer.
 
@@ -130,8 +124,8 @@ class AdamFamily(Adaptive):
   _debias = True
 
   def __init__(self, *args, beta_1=0.9, beta_2=0.999, **kwargs):
-    beta_1 = _check_decay("beta_1", beta_1)
-    beta_2 = _check_decay("beta_2", beta_2)
+    beta_1 = base.check_decay("beta_1", beta_1)
+    beta_2 = base.check_decay("beta_2", beta_2)
     super().__init__(*args, **kwargs)
     self.beta_1, self.beta_2 = beta_1, beta_2
 
@@ -159,7 +153,7 @@ class RMSPropFamily(Adaptive):
   """
 
   def __init__(self, *args, rho=0.9, **kwargs):
-    rho = _check_decay("rho", rho)
+    rho = base.check_decay("rho", rho)
     super().__init__(*args, **kwargs)
     self.rho = rho
 

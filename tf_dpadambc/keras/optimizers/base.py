@@ -12,13 +12,15 @@ entry points (``apply``, ``apply_gradients``) receive gradients that were
 neither clipped per example nor noised, so they raise.
 """
 import collections
-import math
 import numbers
 import warnings
 
 import keras
 import tensorflow as tf
 
+from tf_dpadambc._checks import check_count  # noqa: F401 (re-exported)
+from tf_dpadambc._checks import check_decay  # noqa: F401 (re-exported)
+from tf_dpadambc._checks import check_positive
 from tf_dpadambc.accounting import events
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import diagnostics
@@ -48,14 +50,6 @@ def register(args_doc):
   return decorate
 
 
-def check_positive(name, value, allow_zero=False):
-  if (not isinstance(value, numbers.Real) or isinstance(value, bool)
-      or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero)):
-    bound = "≥ 0" if allow_zero else "> 0"
-    raise ValueError(f"{name} must be a finite number {bound}; got {value!r}.")
-  return float(value)
-
-
 Release = collections.namedtuple("Release",
                                  ["first", "second", "noise_variance"])
 Release.__doc__ = """What one logical step's privatization hands to the update.
@@ -75,14 +69,6 @@ def check_clip(value):
       raise ValueError("l2_norm_clip: an empty list of per-layer clip norms.")
     return [check_positive(f"l2_norm_clip[{i}]", c) for i, c in enumerate(value)]
   return check_positive("l2_norm_clip", value)
-
-
-def check_count(name, value):
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f"{name} must be None or an integer ≥ 1; got {value!r}.")
-  return int(value)
 
 
 class DPOptimizer(keras.optimizers.Optimizer):
@@ -173,14 +159,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     """L2 bound of one unit's clipped gradient: C, or ‖(C_k)‖₂ per layer."""
     return self._clip_spec_for(self.l2_norm_clip).sensitivity
 
-  def _clip_spec_for(self, clip_norm, scale=None, square_sum=False):
-    layer_clips = None
-    if isinstance(clip_norm, list):
-      layer_clips, clip_norm = clip_norm, None
-    return clipping.ClipSpec(
-        clip_norm, layer_clips,
-        self.automatic_gamma if self.clipping == "automatic" else None,
-        scale, square_sum)
+  def _clip_spec_for(self, clip_norm):
+    return clipping.as_spec(clip_norm)._replace(
+        automatic_gamma=(self.automatic_gamma if self.clipping == "automatic"
+                         else None))
 
   def clip_spec(self, trainable_variables):
     """The :class:`~tf_dpadambc.core.clipping.ClipSpec` of the next step.
@@ -394,6 +376,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   # Set by research baselines that apply un-noised statistics.
   _not_private_reason = None
+
+  # Why the accounted σ is below σ, where a subclass knows better than the
+  # statement's default (microbatches, accumulation across epochs).
+  accounting_reason = None
 
   @property
   def steps_taken(self):

@@ -119,10 +119,9 @@ class DP2RMSProp(_DelayedPreconditioner):
   """
 
   def __init__(self, *args, rho=0.9, **kwargs):
-    if not 0.0 <= rho < 1.0:
-      raise ValueError(f"rho must be in [0, 1); got {rho!r}.")
+    rho = base.check_decay("rho", rho)
     super().__init__(*args, **kwargs)
-    self.rho = float(rho)
+    self.rho = rho
 
   @property
   def _decay(self):

@@ -47,9 +47,8 @@ class DPAdamPublicPreconditioner(base.DPOptimizer):
                public_data=None, preconditioner=None, refresh_every=100,
                public_batch_size=128, beta_1=0.9, beta_2=0.999, epsilon=1e-8,
                **kwargs):
-    for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
-      if not 0.0 <= beta < 1.0:
-        raise ValueError(f"{name} must be in [0, 1); got {beta!r}.")
+    beta_1 = base.check_decay("beta_1", beta_1)
+    beta_2 = base.check_decay("beta_2", beta_2)
     refresh_every = base.check_count("refresh_every", refresh_every)
     public_batch_size = base.check_count("public_batch_size", public_batch_size)
     epsilon = base.check_positive("epsilon", epsilon)

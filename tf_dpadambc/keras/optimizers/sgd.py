@@ -22,8 +22,7 @@ class DPSGD(base.DPOptimizer):
 
   def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.01,
                momentum=0.0, nesterov=False, name="DPSGD", **kwargs):
-    if not 0.0 <= momentum < 1.0:
-      raise ValueError(f"momentum must be in [0, 1); got {momentum!r}.")
+    momentum = base.check_decay("momentum", momentum)
     super().__init__(l2_norm_clip, noise_multiplier,
                      learning_rate=learning_rate, name=name, **kwargs)
     self.momentum = float(momentum)
