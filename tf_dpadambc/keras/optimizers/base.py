@@ -173,7 +173,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     """
     if not self.built:
       self.build(list(trainable_variables))
-    return self._clip_spec_for(self.l2_norm_clip)
+    return self._clip_spec_for(self.l2_norm_clip)._replace(
+        square_sum=self._uses_square_sum)
 
   # ---------------------------------------------------------------- state
   def build(self, variables):

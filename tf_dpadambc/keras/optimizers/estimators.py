@@ -218,10 +218,6 @@ class JointMoments(_UnbiasedSecondMoment):
             f"sensitivity sqrt(C² + λC⁴) = {self.add_remove_sensitivity:.4g}, "
             "which the add/remove accounting charges")
 
-  def clip_spec(self, trainable_variables):
-    spec = super().clip_spec(trainable_variables)
-    return spec._replace(square_sum=True)
-
   def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
     sensitivity = (self.add_remove_sensitivity
                    if self.adjacency == "add_remove" else self.l2_norm_clip)
