@@ -67,7 +67,6 @@ import tf_dpadambc as dp  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")  # one tf.function per run: no retrace notes
 
-from tf_dpadambc.core import noise as dp_noise  # noqa: E402
 from tf_dpadambc.keras.optimizers import base as dp_base  # noqa: E402
 
 PAPER = {"ground truth": 0.5976, "non-private AdaGrad": 0.5976,
@@ -84,7 +83,7 @@ class ZeroOutIME(dp.DPAdagradIME):
   instead of Algorithm 6's (2B+1)C²/B². Not part of the library.
   """
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
+  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
     del clipped_square_sum
     b = tf.cast(num_units, tf.float32)
     clip = tf.cast(self._step_sensitivity(), tf.float32)
@@ -92,9 +91,8 @@ class ZeroOutIME(dp.DPAdagradIME):
     sigma = math.sqrt(2.0) * self.noise_multiplier
     first_std = sigma * clip / b
     second_std = sigma * (2.0 * b - 1.0) * clip**2 / b**2
-    z1 = dp_noise.gaussian_noise_like(mean, first_std, seed)
-    z2 = dp_noise.gaussian_noise_like(mean, second_std,
-                                      dp_noise.sub_seed(seed, 1))
+    z1 = sample(mean, first_std)
+    z2 = sample(mean, second_std, 1)
     return dp_base.Release([m + z for m, z in zip(mean, z1)],
                            [tf.square(m) + z for m, z in zip(mean, z2)],
                            tf.square(first_std))

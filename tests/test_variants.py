@@ -180,7 +180,7 @@ def _ime_releases(seed, stream=STREAM, batch=B, clip=C):
   for t, g in enumerate(stream):
     first, second, _ = noise.independent_moment_release(
         [tf.constant(g * batch)], clip, SIGMA, batch,
-        noise.step_seed(seed_pair, t))
+        noise.independent_sampler(noise.step_seed(seed_pair, t)))
     firsts.append(first[0].numpy())
     seconds.append(second[0].numpy())
   return np.stack(firsts), np.stack(seconds)
@@ -318,7 +318,7 @@ def test_jme_matches_numpy(adjacency):
     # half must be DPSGD's draw scaled from σC to σΔ.
     first, second, _ = noise.joint_moment_release(
         result.grads, result.square_grads, SIGMA * delta, lam, units,
-        noise.step_seed(opt._seed_pair, t))
+        noise.independent_sampler(noise.step_seed(opt._seed_pair, t)))
     np.testing.assert_allclose(first[0].numpy(),
                                clipped.sum(0) / units + delta / clip * z[t],
                                rtol=1e-5, atol=1e-7)

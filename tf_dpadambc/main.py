@@ -33,7 +33,6 @@ import sys
 import time
 
 import keras
-import tensorflow as tf
 
 import tf_dpadambc
 from tf_dpadambc import datasets

@@ -64,3 +64,43 @@ def dp_sgd_event(noise_multiplier, num_examples, batch_size, steps,
   # Every started pass over the data counts as one more participation.
   epochs = int(math.ceil(steps / per_epoch - 1e-9))
   return dp_accounting.SelfComposedDpEvent(gaussian, epochs)
+
+
+def correlated_noise_event(noise_multiplier, calibrated_sensitivity,
+                           sensitivity):
+  """The DpEvent of a whole DP-MF run without amplification.
+
+  The run releases C·G + Z with noise std σ·Δ·s_cal per coordinate of Z,
+  where s_cal is the sensitivity the noise was calibrated for; one example
+  moves C·G by at most Δ·sens(C) for the participation pattern actually used
+  (``tf_dpadambc.mf.sensitivity``). That is one Gaussian mechanism with
+  multiplier σ·s_cal/sens(C) (Choquette-Choo et al. 2023, §2; Denisov et al.
+  2022), composed once whatever the number of steps.
+  """
+  if noise_multiplier == 0:
+    return dp_accounting.NonPrivateDpEvent()
+  return dp_accounting.GaussianDpEvent(
+      noise_multiplier * calibrated_sensitivity / sensitivity)
+
+
+def amplified_banded_event(noise_multiplier, sampling_probability, steps,
+                           bands):
+  """Amplified BandMF (Choquette-Choo et al. 2023, Theorem 4).
+
+  A b-banded C whose columns have norm ≤ 1, with the examples split into b
+  groups and step t Poisson-sampling group (t mod b) with probability p
+  ("cyclic Poisson sampling"), is exactly as private as DP-SGD with the
+  same σ and p run for ceil(n/b) steps.
+  """
+  if not 0 < sampling_probability <= 1:
+    raise ValueError("sampling_probability must be in (0, 1]; got "
+                     f"{sampling_probability}.")
+  if noise_multiplier == 0:
+    return dp_accounting.NonPrivateDpEvent()
+  if steps == 0:
+    return dp_accounting.NoOpDpEvent()
+  return dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          sampling_probability,
+          dp_accounting.GaussianDpEvent(noise_multiplier)),
+      int(math.ceil(steps / bands)))

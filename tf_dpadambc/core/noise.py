@@ -45,8 +45,22 @@ def gaussian_noise_like(tensors, stddev, seed):
       for j, t in enumerate(tensors)]
 
 
+def independent_sampler(seed):
+  """``sample(templates, stddev, stream=0)``: independent N(0, stddev²) noise.
+
+  The sampler the releases below take: stream 0 draws with the step's
+  ``seed``, a second release (stream k > 0) with :func:`sub_seed`. The
+  correlated mechanisms (``tf_dpadambc.mechanisms``) provide samplers with the
+  same signature.
+  """
+  def sample(templates, stddev, stream=0):
+    return gaussian_noise_like(
+        templates, stddev, seed if stream == 0 else sub_seed(seed, stream))
+  return sample
+
+
 def gaussian_release(clipped_sum, l2_norm_clip, noise_multiplier, num_units,
-                     seed):
+                     sample):
   """The private mean gradient ḡ = (Σ clip_C(g_u) + N(0, σ²C²I)) / B.
 
   Args:
@@ -54,16 +68,17 @@ def gaussian_release(clipped_sum, l2_norm_clip, noise_multiplier, num_units,
     l2_norm_clip: sensitivity C of the sum (per-unit clip norm).
     noise_multiplier: σ ≥ 0.
     num_units: B, the number of clipped units in the (logical) batch.
-    seed: the step's seed, from :func:`step_seed`.
+    sample: the step's noise sampler, e.g. ``independent_sampler(seed)``.
 
   Returns:
     ``(noisy_mean, noise_variance)``: the list of tensors ḡ and the per-
     coordinate variance of the noise it carries, (σC/B)² — the Φ of
-    Tang et al. 2024.
+    Tang et al. 2024 (times the sampler's variance factor, for correlated
+    noise).
   """
   stddev = tf.cast(noise_multiplier * l2_norm_clip, tf.float32)
   b = tf.cast(num_units, tf.float32)
-  noise = gaussian_noise_like(clipped_sum, stddev, seed)
+  noise = sample(clipped_sum, stddev)
   noisy_mean = [(s + n) / tf.cast(b, s.dtype)
                 for s, n in zip(clipped_sum, noise)]
   return noisy_mean, tf.square(stddev / b)
@@ -86,7 +101,7 @@ def ime_square_sensitivity(l2_norm_clip, batch_size):
 
 
 def independent_moment_release(clipped_sum, l2_norm_clip, noise_multiplier,
-                               num_units, seed):
+                               num_units, sample):
   """Independent moment estimation, IME (Ganesh et al. 2025, Algorithm 6).
 
   With ḡ = Σ_u clip_C(g_u)/B, two Gaussian releases of multiplier √2·σ each
@@ -96,7 +111,7 @@ def independent_moment_release(clipped_sum, l2_norm_clip, noise_multiplier,
       second = ḡ² + (√2 σ (2B+1) C²/B²) z2          z1, z2 ~ N(0, I)
 
   ``second`` is an unbiased estimate of ḡ² and can be negative. ``z1`` is the
-  draw :func:`gaussian_release` makes with the same seed.
+  draw :func:`gaussian_release` makes with the same sampler; z2 is stream 1.
 
   Returns ``(first, second, first_noise_variance)``.
   """
@@ -105,15 +120,15 @@ def independent_moment_release(clipped_sum, l2_norm_clip, noise_multiplier,
   sigma = math.sqrt(2.0) * noise_multiplier
   first_std = sigma * tf.cast(l2_norm_clip, tf.float32) / b
   second_std = sigma * ime_square_sensitivity(l2_norm_clip, b)
-  z1 = gaussian_noise_like(mean, first_std, seed)
-  z2 = gaussian_noise_like(mean, second_std, sub_seed(seed, 1))
+  z1 = sample(mean, first_std)
+  z2 = sample(mean, second_std, 1)
   first = [m + z for m, z in zip(mean, z1)]
   second = [tf.square(m) + z for m, z in zip(mean, z2)]
   return first, second, tf.square(first_std)
 
 
 def joint_moment_release(clipped_sum, clipped_square_sum, noise_stddev,
-                         square_weight, num_units, seed):
+                         square_weight, num_units, sample):
   """Joint moment estimation, JME (Kalinin, Upadhyay & Lampert 2025).
 
   One Gaussian release of the concatenation (Σ clip(g_u), √λ Σ clip(g_u)²)
@@ -130,8 +145,8 @@ def joint_moment_release(clipped_sum, clipped_square_sum, noise_stddev,
   """
   b = tf.cast(num_units, tf.float32)
   root = math.sqrt(square_weight)
-  z1 = gaussian_noise_like(clipped_sum, noise_stddev, seed)
-  z2 = gaussian_noise_like(clipped_sum, noise_stddev, sub_seed(seed, 2))
+  z1 = sample(clipped_sum, noise_stddev)
+  z2 = sample(clipped_sum, noise_stddev, 2)
   first = [(s + z) / tf.cast(b, s.dtype) for s, z in zip(clipped_sum, z1)]
   second = [(root * q + z) / tf.cast(root * b, q.dtype)
             for q, z in zip(clipped_square_sum, z2)]

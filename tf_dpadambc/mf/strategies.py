@@ -209,8 +209,10 @@ class BLT(_Toeplitz):
 class Dense(Strategy):
   """Any invertible lower-triangular n×n C (e.g. ``optimize_dense``).
 
-  Defined for its n steps only. Streaming regenerates z_j from the step seeds
-  (O(t) draws at step t), so it suits small n.
+  Optimized for its n steps; beyond them C continues as the identity
+  (independent noise), so a longer run stays private and its sensitivity is
+  computed on the extended matrix. Streaming regenerates z_j from the step
+  seeds (O(t) draws at step t), so it suits small n.
   """
   matrix_: np.ndarray
 
@@ -227,20 +229,46 @@ class Dense(Strategy):
   def steps(self):
     return self.matrix_.shape[0]
 
-  def _check(self, n):
-    if int(n) > self.steps:
-      raise ValueError(f"This dense strategy is defined for {self.steps} "
-                       f"steps; {n} were asked for.")
-    return int(n)
+  def _extend(self, block, n):
+    n = int(n)
+    if n <= self.steps:
+      return block[:n, :n].copy()
+    return scipy.linalg.block_diag(block, np.eye(n - self.steps))
 
   def matrix(self, n):
-    n = self._check(n)
-    return self.matrix_[:n, :n]
+    return self._extend(self.matrix_, n)
 
   def inverse(self, n):
-    n = self._check(n)
-    return scipy.linalg.solve_triangular(self.matrix_[:n, :n], np.eye(n),
-                                         lower=True)
+    inverse = scipy.linalg.solve_triangular(self.matrix_, np.eye(self.steps),
+                                            lower=True)
+    return self._extend(inverse, n)
 
   def __repr__(self):
     return f"Dense(steps={self.steps})"
+
+
+def to_config(strategy):
+  """A JSON-friendly dict that :func:`from_config` turns back into ``strategy``."""
+  if isinstance(strategy, Identity):
+    return {"type": "Identity"}
+  if isinstance(strategy, Toeplitz):
+    return {"type": "Toeplitz", "coefficients": strategy.coefficients_.tolist()}
+  if isinstance(strategy, BLT):
+    return {"type": "BLT", "theta": strategy.theta.tolist(),
+            "omega": strategy.omega.tolist()}
+  if isinstance(strategy, Dense):
+    return {"type": "Dense", "matrix": strategy.matrix_.tolist()}
+  raise TypeError(f"Not a known strategy: {strategy!r}.")
+
+
+def from_config(config):
+  kind = config["type"]
+  if kind == "Identity":
+    return Identity()
+  if kind == "Toeplitz":
+    return Toeplitz(config["coefficients"])
+  if kind == "BLT":
+    return BLT(config["theta"], config["omega"])
+  if kind == "Dense":
+    return Dense(config["matrix"])
+  raise ValueError(f"Unknown strategy type {kind!r}.")

@@ -20,11 +20,12 @@ import tensorflow as tf
 
 from tf_dpadambc._checks import check_count  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_decay  # noqa: F401 (re-exported)
+from tf_dpadambc import mechanisms
 from tf_dpadambc._checks import check_positive
 from tf_dpadambc.accounting import events
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import diagnostics
-from tf_dpadambc.core import noise
+from tf_dpadambc.core import noise as core_noise
 
 PACKAGE = "tf_dpadambc"
 
@@ -98,12 +99,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
       (g·C/(‖g‖+γ), Bu et al., NeurIPS 2023: every unit is normalized, so C
       only scales the step; its sensitivity is still C).
     automatic_gamma: γ > 0 of automatic clipping.
+    noise: the noise mechanism (``tf_dpadambc.mechanisms``):
+      ``IndependentNoise()`` (the default, DP-SGD's) or
+      ``CorrelatedNoise(strategy, steps, ...)`` (DP-MF: noise correlated
+      across steps, σΔ·sens(C)·(C⁻¹z)_t; Φ follows its per-step variance).
     learning_rate, **kwargs: as for ``keras.optimizers.Optimizer``
       (``weight_decay`` gives decoupled weight decay, at no privacy cost).
 
   The private mean of a logical step with B units is
   ḡ = (Σ_u clip_C(g_u) + N(0, σ²C² I)) / B, per-coordinate noise variance
-  Φ = (σC/B)² (normalised by the number of units actually in the step).
+  Φ = (σC/B)² (normalised by the number of units actually in the step);
+  with correlated noise Var_t = (σC/B)²·sens(C)²·‖row_t(C⁻¹)‖².
   """
 
   # Names of the diagnostics (core.diagnostics.summarize) a class reports.
@@ -112,7 +118,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001,
                num_microbatches=None, gradient_accumulation_steps=None,
                seed=None, clipping="standard", automatic_gamma=0.01,
-               name=None, **kwargs):
+               noise=None, name=None, **kwargs):
     # Validate before Keras' __init__ so that bad input fails first; Keras
     # requires super().__init__() before any attribute is set.
     l2_norm_clip = check_clip(l2_norm_clip)
@@ -128,6 +134,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if kwargs.get("loss_scale_factor") is not None:
       raise ValueError("loss_scale_factor (mixed-precision loss scaling) is "
                        "not supported by the private train step.")
+    mechanism = mechanisms.deserialize(noise)
+    if (mechanism.l2_norm_clip is not None
+        or mechanism.noise_multiplier is not None):
+      raise ValueError(
+          "The noise mechanism passed to an optimizer takes l2_norm_clip and "
+          "noise_multiplier from the optimizer; build it without them (they "
+          "are for its use as a TF-Privacy DPQuery).")
     if seed is not None and (isinstance(seed, bool)
                              or not isinstance(seed, numbers.Integral)):
       raise ValueError(f"seed must be None or an integer; got {seed!r}.")
@@ -140,7 +153,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self.num_microbatches = num_microbatches
     self.accumulation_steps = accumulation_steps
     self.seed = seed
-    self._seed_pair = (noise.random_seed() if seed is None
+    self.noise = mechanism
+    self._seed_pair = (core_noise.random_seed() if seed is None
                        else [int(seed) % (2**62), 0x5EED])
     if self.noise_multiplier == 0:
       warnings.warn(
@@ -205,6 +219,19 @@ class DPOptimizer(keras.optimizers.Optimizer):
       self._accumulated_units = scalar("dp_accumulated_units")
       self._accumulated_examples = scalar("dp_accumulated_examples")
       self._physical_step = scalar("dp_physical_step")
+    # The noise mechanism's streaming state, per release stream and variable
+    # (correlated noise: past noise, as secret as the seed).
+    self._noise_state = {}
+    for stream in self._noise_streams:
+      shapes = [self.noise.state_shape(v.shape) for v in variables]
+      self._noise_state[stream] = [
+          None if shape is None else self.add_variable(
+              shape, initializer="zeros", dtype="float32",
+              name=f"dp_noise_state_{stream}_{i}")
+          for i, shape in enumerate(shapes)]
+
+  # The noise streams of a step's releases: 0 for ḡ (1: IME's ḡ², 2: JME's).
+  _noise_streams = (0,)
 
   @property
   def noise_variance(self):
@@ -297,14 +324,21 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def _release(self, clipped_sum, clipped_square_sum, num_units,
                num_examples, variables):
     """One logical step: noise once, normalise by B, update the weights."""
-    seed = noise.step_seed(self._seed_pair, self._iterations)
     # Releases are ordered like `variables`, which may be a subset of the
     # variables the optimizer was built with: update_step maps its variable
     # index to the release's position (see _position).
     object.__setattr__(self, "_step_variables", variables)
     object.__setattr__(self, "_step_positions", {
         self._get_variable_index(v): i for i, v in enumerate(variables)})
-    release = self._privatize(clipped_sum, clipped_square_sum, num_units, seed)
+    sample, new_states = self._sampler()
+    release = self._privatize(clipped_sum, clipped_square_sum, num_units,
+                              sample)
+    for stream, states in new_states.items():
+      for variable, state in zip(self._stream_state(stream), states or []):
+        variable.assign(state)
+    release = release._replace(
+        noise_variance=release.noise_variance
+        * self.noise.variance_factor(self._iterations))
     self._noise_variance.assign(release.noise_variance)
     self._max_batch_units.assign(tf.maximum(self._max_batch_units, num_units))
     self._max_batch_examples.assign(
@@ -323,17 +357,44 @@ class DPOptimizer(keras.optimizers.Optimizer):
           self._diagnostics[name].assign(value)
     object.__setattr__(self, "_step_release", None)
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
+  def _sampler(self):
+    """The step's ``sample(templates, stddev, stream)`` (core.noise) from the
+    noise mechanism, and the dict its new streaming states go to."""
+    new_states = {}
+    step = self._iterations
+
+    def sample(templates, stddev, stream=0):
+      def seed_of(j):  # stream 0 draws exactly the independent noise's z
+        s = core_noise.step_seed(self._seed_pair, j)
+        return s if stream == 0 else core_noise.sub_seed(s, stream)
+      variables = self._stream_state(stream)
+      state = [v.value for v in variables if v is not None] or None
+      out, new_states[stream] = self.noise.sample(templates, stddev, seed_of,
+                                                  step, state)
+      return out
+    return sample, new_states
+
+  def _stream_state(self, stream):
+    """The state variables of one release stream, in the step's order."""
+    if stream not in self._noise_state:
+      raise ValueError(f"{self.__class__.__name__} draws noise stream "
+                       f"{stream} but declares {self._noise_streams}.")
+    states = self._noise_state[stream]
+    return [v for v in (states[self._get_variable_index(x)]
+                        for x in self._step_variables) if v is not None]
+
+  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
     """The Gaussian mechanism on the clipped sum (DP-SGD's release).
 
-    Noise std σ·Δ with Δ the clipping's sensitivity (C or ‖(C_k)‖₂).
-    Variants that release more (IME, JME) or in another geometry (scale-then-
+    Noise std σ·Δ with Δ the clipping's sensitivity (C or ‖(C_k)‖₂), drawn by
+    the noise mechanism's ``sample`` (independent or correlated). Variants
+    that release more (IME, JME) or in another geometry (scale-then-
     privatize) override this.
     """
     del clipped_square_sum
-    noisy_mean, noise_variance = noise.gaussian_release(
+    noisy_mean, noise_variance = core_noise.gaussian_release(
         clipped_sum, self._step_sensitivity(), self.noise_multiplier,
-        num_units, seed)
+        num_units, sample)
     return Release(noisy_mean, None, noise_variance)
 
   def _step_sensitivity(self):
@@ -383,6 +444,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
   accounting_reason = None
 
   @property
+  def is_correlated(self):
+    """True when the noise is correlated across steps (DP-MF)."""
+    return not isinstance(self.noise, mechanisms.IndependentNoise)
+
+  @property
   def steps_taken(self):
     """Number of logical private steps performed (noise releases)."""
     return int(self.iterations.numpy())
@@ -401,7 +467,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
       batch_size: expected logical batch size; defaults to the largest seen.
       sampling: ``"poisson"`` (each example in each step independently with
         probability B/N: what the ε from ``compute_epsilon`` assumes) or
-        ``"shuffle"`` (each example once per epoch, no amplification).
+        ``"shuffle"`` (each example once per epoch, no amplification). With
+        correlated noise: ``"cyclic"`` (fixed batch order every epoch),
+        ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, p = B/N per
+        group); see ``CorrelatedNoise.accounting_event``.
       steps: number of logical steps; defaults to the steps taken so far.
     """
     if self._not_private_reason:
@@ -410,6 +479,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
     batch_size = batch_size or self.logical_batch_size
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
+    if self.is_correlated:
+      return self.noise.accounting_event(
+          self.accounted_noise_multiplier(num_examples),
+          self.steps_taken if steps is None else steps, sampling,
+          sampling_probability=batch_size / num_examples,
+          steps_per_epoch=self.logical_steps_per_epoch(num_examples))
     return events.dp_sgd_event(
         noise_multiplier=self.accounted_noise_multiplier(num_examples),
         num_examples=num_examples, batch_size=batch_size,
@@ -484,5 +559,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "seed": self.seed,
         "clipping": self.clipping,
         "automatic_gamma": self.automatic_gamma,
+        "noise": mechanisms.serialize(self.noise),
     })
     return config

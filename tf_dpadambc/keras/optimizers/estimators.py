@@ -136,11 +136,13 @@ class IndependentMoments(_UnbiasedSecondMoment):
   variance 2(σC/B)² of the noise in ḡ.
   """
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
+  _noise_streams = (0, 1)
+
+  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
     del clipped_square_sum
     first, second, variance = noise.independent_moment_release(
         clipped_sum, self._step_sensitivity(), self.noise_multiplier,
-        num_units, seed)
+        num_units, sample)
     return base.Release(first, second, variance)
 
 
@@ -170,6 +172,7 @@ class JointMoments(_UnbiasedSecondMoment):
   """
 
   _uses_square_sum = True
+  _noise_streams = (0, 2)
 
   def __init__(self, *args, square_weight=None, adjacency="add_remove",
                **kwargs):
@@ -218,12 +221,12 @@ class JointMoments(_UnbiasedSecondMoment):
             f"sensitivity sqrt(C² + λC⁴) = {self.add_remove_sensitivity:.4g}, "
             "which the add/remove accounting charges")
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
+  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
     sensitivity = (self.add_remove_sensitivity
                    if self.adjacency == "add_remove" else self.l2_norm_clip)
     first, second, variance = noise.joint_moment_release(
         clipped_sum, clipped_square_sum, self.noise_multiplier * sensitivity,
-        self._lambda, num_units, seed)
+        self._lambda, num_units, sample)
     return base.Release(first, second, variance)
 
   def get_config(self):
@@ -277,9 +280,9 @@ class ScaleThenPrivatize(_Epsilon):
     spec = super().clip_spec(trainable_variables)
     return spec._replace(scale=self.preconditioner(trainable_variables))
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
+  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
     release = super()._privatize(clipped_sum, clipped_square_sum, num_units,
-                                 seed)
+                                 sample)
     scale = self.preconditioner(self._step_variables)
     object.__setattr__(self, "_step_scale", scale)
     return release._replace(first=[g / tf.cast(s, g.dtype) for g, s
@@ -320,9 +323,9 @@ class NoiselessPreconditioner(_Epsilon):
         "private optimizers, never to train on sensitive data.",
         UserWarning, stacklevel=2)
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, seed):
+  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
     release = super()._privatize(clipped_sum, clipped_square_sum, num_units,
-                                 seed)
+                                 sample)
     b = tf.cast(num_units, tf.float32)
     clean = [tf.square(s / tf.cast(b, s.dtype)) for s in clipped_sum]
     return release._replace(second=clean)
