@@ -10,6 +10,8 @@
 
 Layout (the path a gradient takes): ``core.per_example`` → ``core.clipping``
 → ``core.noise`` → ``core.moments`` → ``core.updates``; ``accounting`` for ε;
+``core.correlated_noise``, ``mechanisms`` and ``mf`` for DP-MF correlated
+noise (``noise=CorrelatedNoise(...)``), ``data`` for cyclic batches;
 ``keras`` for the Keras 3 optimizers and train step; ``theory`` and
 ``advisor`` for the papers' formulas and a regime verdict.
 """
@@ -23,14 +25,18 @@ from tf_dpadambc.accounting import optimizer_privacy_statement
 from tf_dpadambc.accounting import privacy_statement
 from tf_dpadambc.advisor import Advice
 from tf_dpadambc.advisor import advise
+from tf_dpadambc import data  # noqa: F401
+from tf_dpadambc import mf  # noqa: F401
 from tf_dpadambc.keras import *  # noqa: F401,F403
+from tf_dpadambc.mechanisms import CorrelatedNoise
+from tf_dpadambc.mechanisms import IndependentNoise
 from tf_dpadambc.theory import bias_correction_error_bound
 from tf_dpadambc.theory import dpsgdm_equivalent_learning_rate
 from tf_dpadambc.theory import dpsgdm_equivalent_momentum
 from tf_dpadambc.keras import __all__ as _KERAS
 
 __all__ = list(_KERAS) + [
-    "Advice", "advise", "bias_correction_error_bound",
+    "Advice", "advise", "CorrelatedNoise", "IndependentNoise", "bias_correction_error_bound",
     "dpsgdm_equivalent_learning_rate", "dpsgdm_equivalent_momentum",
     "PrivacyBudget", "compute_epsilon", "compute_noise_multiplier",
     "dp_sgd_event", "epsilon_of_event", "optimizer_privacy_statement",

@@ -39,7 +39,7 @@ from tf_dpadambc._checks import check_positive
 from tf_dpadambc.accounting import events
 from tf_dpadambc.core import correlated_noise
 from tf_dpadambc.core import noise as independent
-from tf_dpadambc.mf import sensitivity as mf_sensitivity
+from tf_dpadambc.mf.sensitivity import sensitivity as strategy_sensitivity
 from tf_dpadambc.mf import strategies
 
 GlobalState = collections.namedtuple(
@@ -89,8 +89,8 @@ class NoiseMechanism:
     """
     raise NotImplementedError
 
-  def accounting_event(self, noise_multiplier, steps, sampling,
-                       sampling_probability, steps_per_epoch):
+  def accounting_event(self, noise_multiplier, steps, sampling, batch_size,
+                       num_examples, steps_per_epoch=None):
     """The DpEvent of ``steps`` releases (see the optimizers' ``dp_event``)."""
     raise NotImplementedError
 
@@ -183,9 +183,10 @@ class IndependentNoise(NoiseMechanism):
     return independent.gaussian_noise_like(templates, stddev,
                                            seed_of(step)), None
 
-  def accounting_event(self, noise_multiplier, steps, sampling,
-                       sampling_probability, steps_per_epoch):
-    raise NotImplementedError  # the optimizers' DP-SGD accounting applies
+  def accounting_event(self, noise_multiplier, steps, sampling, batch_size,
+                       num_examples, steps_per_epoch=None):
+    return events.dp_sgd_event(noise_multiplier, num_examples, batch_size,
+                               steps, sampling, steps_per_epoch)
 
   def _fresh_sample(self, templates, global_state):
     # Stateful RNG: fresh noise on every call even where a caller fails to
@@ -238,7 +239,7 @@ class CorrelatedNoise(NoiseMechanism):
     self.steps = steps
     self.participations = participations
     self.min_separation = min_separation
-    self.sensitivity = float(mf_sensitivity.sensitivity(
+    self.sensitivity = float(strategy_sensitivity(
         strategy, steps, participations, min_separation))
     # sens²·‖row_t(C⁻¹)‖² for t ≤ n; later steps reuse the last (Toeplitz
     # row norms converge; a Dense C continues as the identity).
@@ -247,6 +248,16 @@ class CorrelatedNoise(NoiseMechanism):
     if isinstance(strategy, strategies.Dense):
       factors[strategy.steps:] = self.sensitivity ** 2
     self._factors = factors.astype(np.float32)
+
+  @classmethod
+  def for_cyclic_training(cls, strategy, num_examples, batch_size, epochs):
+    """The mechanism for ``epochs`` passes of ``tf_dpadambc.data.cyclic_batches``:
+
+    n = epochs·ceil(N/B) steps, k = epochs participations, ceil(N/B) apart.
+    """
+    per_epoch = int(math.ceil(num_examples / batch_size))
+    return cls(strategy, steps=epochs * per_epoch, participations=epochs,
+               min_separation=per_epoch)
 
   def __repr__(self):
     return (f"CorrelatedNoise({self.strategy!r}, steps={self.steps}, "
@@ -320,8 +331,8 @@ class CorrelatedNoise(NoiseMechanism):
       return k, 1
     raise ValueError(f"Unknown sampling {sampling!r}.")
 
-  def accounting_event(self, noise_multiplier, steps, sampling,
-                       sampling_probability=None, steps_per_epoch=None):
+  def accounting_event(self, noise_multiplier, steps, sampling, batch_size,
+                       num_examples, steps_per_epoch=None):
     """The DpEvent of ``steps`` steps of this mechanism.
 
     ``sampling``:
@@ -329,8 +340,9 @@ class CorrelatedNoise(NoiseMechanism):
       σ·sens_calibrated/sens(C) for the participation actually used (steps
       taken, epochs, separation; see :meth:`participation`).
     * ``"cyclic_poisson"``: amplified BandMF (Choquette-Choo et al. 2023,
-      Theorem 4) for a banded C: examples split into b groups, step t
-      Poisson-samples group t mod b with ``sampling_probability``.
+      Theorem 4) for a banded C: the N examples split into b groups, step t
+      Poisson-samples group t mod b with probability p = B·b/N (expected
+      batch size B).
     * ``"poisson"``: refused — plain Poisson sampling has no closed-form
       accounting with correlated noise.
     """
@@ -341,14 +353,15 @@ class CorrelatedNoise(NoiseMechanism):
           "tf_dpadambc.data.cyclic_batches), 'shuffle' (reshuffled epochs, "
           "no amplification) or 'cyclic_poisson' for a banded strategy.")
     if sampling == "cyclic_poisson":
-      return self._amplified_event(noise_multiplier, steps,
-                                   sampling_probability)
+      return self._amplified_event(noise_multiplier, steps, batch_size,
+                                   num_examples)
     k, s = self.participation(steps, sampling, steps_per_epoch)
-    actual = mf_sensitivity.sensitivity(self.strategy, max(steps, 1), k, s)
+    actual = strategy_sensitivity(self.strategy, max(steps, 1), k, s)
     return events.correlated_noise_event(noise_multiplier, self.sensitivity,
                                          actual)
 
-  def _amplified_event(self, noise_multiplier, steps, sampling_probability):
+  def _amplified_event(self, noise_multiplier, steps, batch_size,
+                       num_examples):
     s = self.strategy
     if isinstance(s, strategies.Identity):
       bands = 1
@@ -359,15 +372,18 @@ class CorrelatedNoise(NoiseMechanism):
           "Amplification by cyclic Poisson sampling (Choquette-Choo et al. "
           "2023, Theorem 4) needs a banded strategy (Identity or a Toeplitz "
           f"with fewer bands than steps); got {s!r}.")
-    if sampling_probability is None:
-      raise ValueError("cyclic_poisson accounting needs the "
-                       "sampling_probability p of each group's examples.")
+    probability = batch_size * bands / num_examples
+    if probability > 1:
+      raise ValueError(
+          f"Cyclic Poisson sampling with b = {bands} groups of N/b = "
+          f"{num_examples / bands:.4g} examples cannot give batches of "
+          f"expected size {batch_size}.")
     # Theorem 4 normalizes the columns to norm ≤ 1; ours have norm
     # max column norm, and the noise was calibrated to self.sensitivity.
-    column = mf_sensitivity.sensitivity(s, max(steps, 1), 1, 1)
+    column = strategy_sensitivity(s, max(steps, 1), 1, 1)
     return events.amplified_banded_event(
-        noise_multiplier * self.sensitivity / column, sampling_probability,
-        steps, bands)
+        noise_multiplier * self.sensitivity / column, probability, steps,
+        bands)
 
   # ------------------------------------------------------- DPQuery protocol
   def _fresh_sample(self, templates, global_state):

@@ -38,6 +38,9 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
   if not batch_size:
     raise ValueError("The optimizer has taken no private step yet; pass "
                      "batch_size.")
+  if optimizer.is_correlated:
+    return _format_correlated(optimizer, num_examples, batch_size, delta,
+                              accountant)
   def event(sampling):
     return optimizer.dp_event(num_examples, batch_size, sampling)
   return _format(num_examples, batch_size, optimizer.steps_taken,
@@ -79,13 +82,75 @@ def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
       "(shuffled fixed-size batches; no amplification by sampling assumed).",
       "  model.fit shuffles fixed-size batches: the second figure is the one "
       "proven for it; the first holds when batches are Poisson-sampled.",
-      "  The guarantee covers the trained model and anything computed from "
-      "it. It does not cover the training logs (loss, metrics, the clipped "
-      "and non-finite counts are computed without noise). It assumes each "
-      "example is one individual's data (for users with several examples, "
-      "it protects examples, not users), that hyper-parameters were not "
-      "tuned on the private data, and that the noise seed stays secret.",
+      _ASSUMPTIONS,
   ]
   if math.isinf(poisson):
     lines.append("  (ε is unbounded for these parameters.)")
+  return "\n".join(lines)
+
+
+_ASSUMPTIONS = (
+    "  The guarantee covers the trained model and anything computed from "
+    "it. It does not cover the training logs (loss, metrics, the clipped "
+    "and non-finite counts are computed without noise). It assumes each "
+    "example is one individual's data (for users with several examples, "
+    "it protects examples, not users), that hyper-parameters were not "
+    "tuned on the private data, and that the noise seed stays secret.")
+
+
+def _format_correlated(optimizer, num_examples, batch_size, delta,
+                       accountant):
+  """The statement of a DP-MF run: one Gaussian mechanism per participation
+  pattern, and amplified BandMF where the strategy is banded."""
+  mechanism = optimizer.noise
+  steps = optimizer.steps_taken
+  per_epoch = optimizer.logical_steps_per_epoch(num_examples)
+  sigma = optimizer.accounted_noise_multiplier(num_examples)
+  lines = [
+      "Differential privacy statement (tf_dpadambc), correlated noise (DP-MF)",
+      f"  training examples N = {num_examples:,}, batch size B = {batch_size}"
+      f", steps = {steps:,} ({steps * batch_size / num_examples:.3g} epochs)",
+      f"  noise multiplier σ = {optimizer.noise_multiplier:g}"
+      + (f" (accounted as σ = {sigma:g}: "
+         f"{optimizer.accounting_reason or _TWO_C})"
+         if sigma < optimizer.noise_multiplier else ""),
+      f"  strategy {mechanism.strategy!r}, calibrated for n = "
+      f"{mechanism.steps} steps, k = {mechanism.participations} "
+      f"participation(s) ≥ {mechanism.min_separation} steps apart: "
+      f"sens(C) = {mechanism.sensitivity:.4g}; step t adds "
+      "σ·C·sens(C)·(C⁻¹z)_t to the clipped sum",
+      f"  δ = {delta:g}; adjacency: adding or removing one training example; "
+      f"accountant: {accountant.upper()} (dp_accounting)",
+  ]
+  if optimizer.noise_multiplier == 0:
+    lines.append("  NOT PRIVATE: noise_multiplier = 0 adds no noise (ε = ∞).")
+    return "\n".join(lines)
+
+  def epsilon(sampling):
+    event = optimizer.dp_event(num_examples, batch_size, sampling)
+    return epsilon_lib.epsilon_of_event(event, delta, accountant)
+
+  for sampling, how in (
+      ("cyclic", "if the batches repeat in the same order every epoch "
+                 "(tf_dpadambc.data.cyclic_batches)"),
+      ("shuffle", "if the data are reshuffled every epoch (model.fit's "
+                  "default; an example can be in consecutive steps)")):
+    k, s = mechanism.participation(steps, sampling, per_epoch)
+    lines.append(f"  ε = {epsilon(sampling):.3f} {how}: k = {k} "
+                 f"participation(s) ≥ {s} step(s) apart.")
+  try:
+    amplified = epsilon("cyclic_poisson")
+    lines.append(
+        f"  ε = {amplified:.3f} with cyclic Poisson sampling (amplified "
+        "BandMF, Choquette-Choo et al. 2023, Thm 4: examples split into b "
+        "groups, step t samples group t mod b with probability B/N).")
+  except ValueError:
+    pass  # not banded: no amplification result applies
+  lines += [
+      "  Plain Poisson sampling has no closed-form ε with correlated noise: "
+      "none is reported for it.",
+      _ASSUMPTIONS,
+      "  The optimizer's saved state holds past noise: keep checkpoints as "
+      "secret as the seed (the trained weights need no such care).",
+  ]
   return "\n".join(lines)

@@ -469,8 +469,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         probability B/N: what the ε from ``compute_epsilon`` assumes) or
         ``"shuffle"`` (each example once per epoch, no amplification). With
         correlated noise: ``"cyclic"`` (fixed batch order every epoch),
-        ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, p = B/N per
-        group); see ``CorrelatedNoise.accounting_event``.
+        ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, expected
+        batch size B); see ``CorrelatedNoise.accounting_event``.
       steps: number of logical steps; defaults to the steps taken so far.
     """
     if self._not_private_reason:
@@ -479,18 +479,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     batch_size = batch_size or self.logical_batch_size
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
-    if self.is_correlated:
-      return self.noise.accounting_event(
-          self.accounted_noise_multiplier(num_examples),
-          self.steps_taken if steps is None else steps, sampling,
-          sampling_probability=batch_size / num_examples,
-          steps_per_epoch=self.logical_steps_per_epoch(num_examples))
-    return events.dp_sgd_event(
-        noise_multiplier=self.accounted_noise_multiplier(num_examples),
-        num_examples=num_examples, batch_size=batch_size,
-        steps=self.steps_taken if steps is None else steps,
-        sampling=sampling,
-        steps_per_epoch=self.logical_steps_per_epoch(num_examples))
+    return self.noise.accounting_event(
+        self.accounted_noise_multiplier(num_examples),
+        self.steps_taken if steps is None else steps, sampling, batch_size,
+        num_examples, self.logical_steps_per_epoch(num_examples))
 
   def accounted_noise_multiplier(self, num_examples):
     """The σ the accounting uses for a training set of N examples.
