@@ -18,3 +18,14 @@ from tf_dpadambc.mf.strategies import sqrt_toeplitz
 from tf_dpadambc.mf.workloads import decayed_prefix_sums
 from tf_dpadambc.mf.workloads import momentum_prefix_sums
 from tf_dpadambc.mf.workloads import prefix_sums
+from tf_dpadambc.mf.error import max_error
+from tf_dpadambc.mf.error import rmse
+from tf_dpadambc.mf.optimize import banded_objective
+from tf_dpadambc.mf.optimize import optimize_banded
+from tf_dpadambc.mf.optimize import optimize_blt
+from tf_dpadambc.mf.optimize import optimize_dense
+from tf_dpadambc.mf.sensitivity import (
+    blt_single_participation_sensitivity_squared)
+from tf_dpadambc.mf.sensitivity import brute_force_sensitivity
+from tf_dpadambc.mf.sensitivity import sensitivity
+from tf_dpadambc.mf.sensitivity import sensitivity_upper_bound
