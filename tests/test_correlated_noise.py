@@ -116,6 +116,32 @@ def test_ime_second_release_is_correlated_on_its_own_stream():
   assert not np.allclose(first, second)
 
 
+def test_stp_noises_the_scaled_gradient_with_one_shared_strategy():
+  """Scale-then-privatize with DP-MF (Ganesh et al. 2025, §4.5): the MF
+  stream is added in the scaled geometry, the same C for every coordinate:
+  s_t ⊙ ḡ_t = (Σ clip(s_t ⊙ g_u) + σC·sens(C)·(C⁻¹z)_t) / B."""
+  clip, sigma, units, steps = 1.0, 0.5, 4, 6
+  strategy = STRATEGIES["banded"]
+  mechanism = mechanisms.CorrelatedNoise(strategy, steps=steps)
+  opt = dp.DPAdamSTP(clip, sigma, beta_1=0.0, scale_epsilon=0.1, seed=4,
+                     noise=mechanism)
+  var = tf.Variable(tf.zeros((3, 2)))
+  z = [core_noise.gaussian_noise_like(
+      [tf.zeros((3, 2))], 1.0, core_noise.step_seed(opt._seed_pair, j)
+  )[0].numpy() for j in range(steps)]
+  inverse = strategy.inverse(steps)
+  scales = []
+  for t in range(steps):
+    scale = opt.preconditioner([var])[0].numpy() if opt.built else 10.0
+    opt.apply_private([tf.zeros((3, 2))], units, units, [var])
+    g_bar = opt._momentums[0].numpy()  # β1 = 0: m_t = ḡ_t
+    want = sigma * clip * mechanism.sensitivity * sum(
+        inverse[t, j] * z[j] for j in range(t + 1)) / units
+    np.testing.assert_allclose(scale * g_bar, want, rtol=1e-4, atol=1e-6)
+    scales.append(scale)
+  assert not np.allclose(scales[-1], scales[1])  # s_t really changed
+
+
 # ------------------------------------------ 3. Φ under correlated noise
 def test_mf_bias_of_v_hat_matches_monte_carlo_within_two_percent():
   """E[v̂_t] = g² + (1−β2)/(1−β2^t)·Σ_i β2^{t−i}(σC/B)²sens²‖row_i(C⁻¹)‖²

@@ -143,7 +143,7 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
     lines.append(
         f"  ε = {amplified:.3f} with cyclic Poisson sampling (amplified "
         "BandMF, Choquette-Choo et al. 2023, Thm 4: examples split into b "
-        "groups, step t samples group t mod b with probability B/N).")
+        "groups, step t samples group t mod b with probability B·b/N).")
   except ValueError:
     pass  # not banded: no amplification result applies
   lines += [
