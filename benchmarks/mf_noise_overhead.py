@@ -9,13 +9,21 @@ The same ``model.fit`` (XLA, batch 256, synthetic data with the shapes of
 4-buffer BLT. The configurations are measured in alternation, ``--rounds``
 times each, and the best time of each is kept; the overhead is relative to
 independent noise in the same run. Target (issue 4): ≤ 5% on the MNIST CNN.
+
+Whole-step times on a shared 2-core machine vary by ±10% between runs, more
+than the effect, so the table also isolates the noise: one XLA-compiled
+call of the mechanism's ``sample`` over the model's variables (state
+threaded), µs per call, and that extra cost as a share of the DPAdamBC step.
 """
 import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import time  # noqa: E402
+
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import tf_dpadambc as dp  # noqa: E402
 from step_time import MODELS  # noqa: E402
@@ -34,6 +42,37 @@ def mechanisms():
   }
 
 
+def noise_call_us(mechanism, variables, calls=300):
+  """µs per compiled call of ``mechanism.sample`` over ``variables``, its
+  state kept in tf.Variables as the optimizers keep it."""
+  templates = [tf.zeros(v.shape) for v in variables]
+  state = None
+  if mechanism.state_shape(templates[0].shape) is not None:
+    state = [tf.Variable(tf.zeros(mechanism.state_shape(t.shape)))
+             for t in templates]
+  key = tf.constant([1, 2], tf.int64)
+
+  @tf.function(jit_compile=True)
+  def sample(step):
+    seed_of = lambda j: tf.random.experimental.stateless_fold_in(key, j)
+    noise, new = mechanism.sample(
+        templates, 1.0, seed_of, step,
+        None if state is None else [v.value() for v in state])
+    for v, n in zip(state or [], new or []):
+      v.assign(n)
+    return tf.add_n([tf.reduce_sum(n) for n in noise])
+
+  sample(tf.constant(0, tf.int64))  # compile
+  best = np.inf
+  for _ in range(3):
+    start = time.perf_counter()
+    for t in range(calls):
+      total = sample(tf.constant(t, tf.int64))
+    total.numpy()
+    best = min(best, (time.perf_counter() - start) / calls * 1e6)
+  return best
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch-size", type=int, default=256)
@@ -50,6 +89,7 @@ def main(argv=None):
         "rounds")
   print("| model | params | " + " | ".join(noises) + " | overheads |")
   print("|---|---|" + "---|" * len(noises) + "---|")
+  isolated = {}
   for name in args.models:
     build, shape = MODELS[name]
     best = {k: np.inf for k in noises}
@@ -58,13 +98,26 @@ def main(argv=None):
         opt = dp.DPAdamBC(1.0, 1.0, 1e-3, noise=noise)
         best[key] = min(best[key], time_fit(build, shape, opt, True,
                                             args.batch_size, steps))
-    params = build().count_params()
+    model = build()
+    params = model.count_params()
     base = best["independent"]
     overheads = ", ".join(f"{k}: {100 * (v / base - 1):+.1f}%"
                           for k, v in best.items() if k != "independent")
     print(f"| {name} | {params:,} | "
           + " | ".join(f"{v:.1f}" for v in best.values())
           + f" | {overheads} |")
+    isolated[name] = ({k: noise_call_us(n, model.trainable_variables)
+                       for k, n in noises.items()}, base)
+  print("\nThe noise alone: µs per compiled sample() over the model's "
+        "variables; extra cost vs independent noise as a share of the step")
+  print("| model | " + " | ".join(noises) + " | share of the DPAdamBC step |")
+  print("|---|" + "---|" * len(noises) + "---|")
+  for name, (us, step_ms) in isolated.items():
+    shares = ", ".join(
+        f"{k}: {100 * (v - us['independent']) / (step_ms * 1e3):+.2f}%"
+        for k, v in us.items() if k != "independent")
+    print(f"| {name} | " + " | ".join(f"{v:.0f}" for v in us.values())
+          + f" | {shares} |")
 
 
 if __name__ == "__main__":

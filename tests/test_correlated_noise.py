@@ -374,3 +374,13 @@ def test_correlated_noise_with_warnings_silenced_is_still_noise():
         mf.Identity(), 4))
   assert any("NOT differentially private" in str(w.message) for w in caught)
   assert not opt.is_private
+
+
+def test_mf_noise_multiplier_makes_the_run_one_gaussian_at_the_target():
+  sigma = dp.compute_mf_noise_multiplier(4.0, 1e-5)
+  eps = dp.epsilon_of_event(dp_accounting.GaussianDpEvent(sigma), 1e-5)
+  assert 3.99 < eps <= 4.0
+  # An independent-noise run of 10 epochs (shuffled) needs √10-ish more σ.
+  independent = dp.compute_noise_multiplier(1500, 100, 10, 4.0, 1e-5,
+                                            sampling="shuffle")
+  assert independent > 2.5 * sigma

@@ -23,3 +23,13 @@ def test_readme_quickstart_is_the_example():
   example = (ROOT / "examples" / "quickstart.py").read_text()
   body = example.split('"""', 2)[2].strip()
   assert body in readme
+
+
+@pytest.mark.slow
+def test_correlated_noise_example_runs_at_equal_epsilon(capsys):
+  runpy.run_path(str(ROOT / "examples" / "correlated_noise.py"))
+  out = capsys.readouterr().out
+  lines = [line for line in out.splitlines() if "test accuracy" in line]
+  assert len(lines) == 2
+  assert all("ε = 4.00" in line for line in lines)
+  assert "correlated noise (DP-MF)" in out

@@ -185,6 +185,12 @@ class IndependentNoise(NoiseMechanism):
 
   def accounting_event(self, noise_multiplier, steps, sampling, batch_size,
                        num_examples, steps_per_epoch=None):
+    """DP-SGD's event. With independent noise a fixed batch order
+    (``"cyclic"``) is accounted as reshuffled epochs (once per epoch, no
+    amplification), and ``"cyclic_poisson"`` with one band is Poisson
+    sampling."""
+    sampling = {"cyclic": "shuffle",
+                "cyclic_poisson": "poisson"}.get(sampling, sampling)
     return events.dp_sgd_event(noise_multiplier, num_examples, batch_size,
                                steps, sampling, steps_per_epoch)
 
@@ -274,11 +280,11 @@ class CorrelatedNoise(NoiseMechanism):
     index = tf.minimum(tf.cast(step, tf.int64), len(self._factors) - 1)
     return tf.gather(tf.constant(self._factors), index)
 
-  def _correlate(self, z, state):
+  def _correlate(self, z, state, step):
     """(x_t, new state) for one tensor, from z_t and the streaming state."""
     s = self.strategy
     if isinstance(s, strategies.Toeplitz):
-      return correlated_noise.banded_step(z, state, s.coefficients_)
+      return correlated_noise.banded_step(z, state, s.coefficients_, step)
     if isinstance(s, strategies.BLT):
       return correlated_noise.blt_step(z, state, s.theta, s.omega)
     return z, state  # Identity
@@ -289,13 +295,13 @@ class CorrelatedNoise(NoiseMechanism):
       x = self._dense(templates, seed_of, step)
       return [tf.cast(scale, t.dtype) * n for t, n in zip(templates, x)], state
     z = independent.gaussian_noise_like(templates, 1.0, seed_of(step))
-    return self._stream(templates, z, scale, state)
+    return self._stream(templates, z, scale, state, step)
 
-  def _stream(self, templates, z, scale, state):
+  def _stream(self, templates, z, scale, state, step):
     noise, new_state, states = [], [], iter(state or [])
     for t, zt in zip(templates, z):
       x, new = self._correlate(zt, next(states) if self.strategy.buffers
-                               else None)
+                               else None, step)
       noise.append(tf.cast(scale, t.dtype) * x)
       if new is not None:
         new_state.append(new)
@@ -395,7 +401,7 @@ class CorrelatedNoise(NoiseMechanism):
     # state gets fresh z_t (x_t = z_t: more noise, never repeated noise).
     z = [tf.random.normal(tf.shape(t), dtype=tf.float32) for t in templates]
     return self._stream(templates, z, global_state.stddev * self.sensitivity,
-                        global_state.noise_state)
+                        global_state.noise_state, global_state.step)
 
   def _release_event(self):
     # A single step of DP-MF has no standalone ε: the run is one Gaussian

@@ -79,3 +79,24 @@ def compute_noise_multiplier(num_examples, batch_size, epochs, target_epsilon,
   make_accountant(accountant)  # validates the name
   return calibrate(accountant, dp_accounting.ExplicitBracketInterval(
       sigma_rdp / 4, sigma_rdp))
+
+
+def compute_mf_noise_multiplier(target_epsilon, delta, accountant="rdp",
+                                tolerance=1e-3):
+  """σ of a DP-MF run (``CorrelatedNoise``) with ε ≤ target_epsilon.
+
+  The noise of a correlated run is calibrated to sens(C) for its planned
+  participation, so the whole run is one Gaussian mechanism of multiplier σ
+  (``events.correlated_noise_event``), whatever the number of steps or
+  epochs. (Amplified BandMF with cyclic Poisson sampling needs less: see
+  ``CorrelatedNoise.accounting_event``.)
+  """
+  if not target_epsilon > 0:
+    raise ValueError(f"target_epsilon must be > 0; got {target_epsilon}.")
+  make_accountant(accountant)  # validates the name
+  return float(dp_accounting.calibrate_dp_mechanism(
+      lambda: make_accountant(accountant),
+      lambda sigma: events.correlated_noise_event(sigma, 1.0, 1.0),
+      target_epsilon, delta,
+      bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-2, 1.0),
+      tol=tolerance))

@@ -7,6 +7,7 @@ z_t and a small state, so the noise streams inside the compiled train step:
 
 * banded Toeplitz C (c_0..c_{b−1}): C x = z gives
   x_t = (z_t − Σ_{j=1}^{b−1} c_j x_{t−j}) / c_0        state: b−1 past x
+  (a ring buffer)
 * BLT, C(x) = 1 + Σ_i ω_i x/(1 − θ_i x):
   x_t = z_t − Σ_i ω_i s_i,  then s_i ← θ_i s_i + x_t  state: d buffers s_i
 * dense C⁻¹ (small n): x_t = Σ_{j≤t} (C⁻¹)_{t,j} z_j, regenerating each z_j
@@ -24,21 +25,32 @@ def _along_buffers(vector, like):
                     [-1] + [1] * (like.shape.rank - 1))
 
 
-def banded_step(z, history, coefficients):
+def banded_step(z, history, coefficients, step):
   """One step of a banded Toeplitz C: returns (x_t, new history).
 
   Args:
     z: z_t, one tensor.
-    history: [b−1, *z.shape], x_{t−1}, x_{t−2}, … (most recent first; zeros
-      before the first step).
+    history: [b−1, *z.shape], a ring buffer: slot k holds the most recent
+      x_j with j ≡ k (mod b−1) (zeros before the first steps).
     coefficients: c_0..c_{b−1} (NumPy or Python floats).
+    step: t (0-based).
+
+  x_{t−j} sits in slot (t − j) mod (b−1), so slot k is weighted by c_j with
+  j = ((t − k − 1) mod (b−1)) + 1; x_t then overwrites slot t mod (b−1),
+  whose x_{t−b+1} is no longer needed. No buffer is shifted: one read of the
+  history and one slot written per step.
   """
   c0 = float(coefficients[0])
-  if len(coefficients) == 1:
+  buffers = len(coefficients) - 1
+  if buffers == 0:
     return z / c0, history
-  c = _along_buffers(coefficients[1:], history)
-  x = (z - tf.reduce_sum(c * history, axis=0)) / c0
-  return x, tf.concat([x[tf.newaxis], history[:-1]], axis=0)
+  step = tf.cast(step, tf.int64)
+  slots = tf.range(buffers, dtype=tf.int64)
+  lags = tf.math.floormod(step - slots - 1, buffers) + 1
+  weights = tf.gather(tf.constant(coefficients, z.dtype), lags)
+  x = (z - tf.tensordot(weights, history, axes=1)) / c0
+  slot = tf.math.floormod(step, buffers)
+  return x, tf.tensor_scatter_nd_update(history, [[slot]], x[tf.newaxis])
 
 
 def blt_step(z, buffers, theta, omega):
