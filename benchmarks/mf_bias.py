@@ -33,7 +33,7 @@ def run(noise, steps, m, sigma=1.0, clip=1.0, units=10, lr=0.05, beta_2=0.99,
   opt = dp.DPAdam(clip, sigma, learning_rate=lr, beta_2=beta_2, seed=seed,
                   noise=noise)
   clean = np.zeros(m)
-  ratios = {}
+  ratios, final = {}, None
   for t in range(1, steps + 1):
     g = (curvature * var).numpy()
     clean = beta_2 * clean + (1 - beta_2) * g.astype("float64") ** 2
@@ -42,7 +42,10 @@ def run(noise, steps, m, sigma=1.0, clip=1.0, units=10, lr=0.05, beta_2=0.99,
       v_hat = float(tf.reduce_mean(opt.second_moment(var)))
       want = np.mean(clean / (1 - beta_2 ** t)) + float(opt.phi())
       ratios[t] = v_hat / want
-  return ratios
+      clean_t = np.mean(clean / (1 - beta_2 ** t))
+      # Φ's share of v̂, and what bias correction leaves: (v̂ − Φ)/v^clean.
+      final = (float(opt.phi()) / v_hat, (v_hat - float(opt.phi())) / clean_t)
+  return ratios, final
 
 
 def main(argv=None):
@@ -60,13 +63,16 @@ def main(argv=None):
                                                 steps),
   }
   results = {k: run(n, steps, args.coordinates) for k, n in noises.items()}
-  ts = sorted(next(iter(results.values())))
+  ts = sorted(next(iter(results.values()))[0])
   print("E[v̂_t] / (v_t^clean + Φ_t), DPAdam on a quadratic, "
-        f"{args.coordinates:,} coordinates")
-  print("| noise | " + " | ".join(f"t={t}" for t in ts) + " |")
-  print("|---|" + "---|" * len(ts))
-  for name, ratios in results.items():
-    print(f"| {name} | " + " | ".join(f"{ratios[t]:.3f}" for t in ts) + " |")
+        f"{args.coordinates:,} coordinates; at the last step, Φ's share of "
+        "v̂ and (v̂ − Φ)/v^clean (what bias correction sees; 1 is exact)")
+  print("| noise | " + " | ".join(f"t={t}" for t in ts)
+        + " | Φ/v̂ | (v̂ − Φ)/v^clean |")
+  print("|---|" + "---|" * (len(ts) + 2))
+  for name, (ratios, (share, left)) in results.items():
+    print(f"| {name} | " + " | ".join(f"{ratios[t]:.3f}" for t in ts)
+          + f" | {share:.3f} | {left:.3f} |")
 
 
 if __name__ == "__main__":
