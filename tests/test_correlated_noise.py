@@ -238,6 +238,103 @@ def test_bad_mechanism_arguments_fail_clearly():
     dp.DPAdam(1.0, 1.0, noise=mechanisms.IndependentNoise(1.0, 1.0))
   with pytest.raises(TypeError, match="noise mechanism"):
     dp.DPAdam(1.0, 1.0, noise="mf")
+  # 0 is not "unset": it would silently calibrate for one participation.
+  with pytest.raises(ValueError, match="min_separation"):
+    mechanisms.CorrelatedNoise(mf.Toeplitz([1.0, 0.5]), 10, participations=5,
+                               min_separation=0)
+  with pytest.raises(ValueError, match="steps"):
+    mechanisms.CorrelatedNoise(mf.Identity(), None)
+  with pytest.raises(ValueError, match="banded correlated noise"):
+    dp.DPAdam(1.0, 1.0).noise.accounting_event(1.0, 10, "cyclic_poisson",
+                                               10, 100)
+
+
+def test_correlated_noise_refuses_a_step_on_a_subset_of_the_variables():
+  opt = dp.DPAdam(1.0, 1.0, noise=mechanisms.CorrelatedNoise(
+      STRATEGIES["blt"], 4))
+  a, b = tf.Variable(tf.zeros(3)), tf.Variable(tf.zeros(2))
+  opt.apply_private([tf.zeros(3), tf.zeros(2)], 4, 4, [a, b])
+  with pytest.raises(ValueError, match="every step must update all"):
+    opt.apply_private([tf.zeros(3)], 4, 4, [a])
+
+
+def test_saving_correlated_state_warns_that_the_file_is_secret(tmp_path):
+  opt = dp.DPAdam(1.0, 1.0, noise=mechanisms.CorrelatedNoise(
+      STRATEGIES["banded"], 4))
+  model = variants._private(opt)
+  model.fit(variants.X, variants.Y, batch_size=8, epochs=1, verbose=0)
+  with pytest.warns(UserWarning, match="holds past DP-MF noise"):
+    model.save(str(tmp_path / "m.keras"))
+
+
+def test_dense_strategy_resumes_with_its_secret_seed(tmp_path):
+  """A Dense C redraws z_0..z_t each step; with seed=None the secret seed is
+  saved with the state, so the resumed run redraws the same past noise."""
+  def optimizer():
+    return dp.DPAdam(1.0, 0.9, learning_rate=0.01,
+                     noise=mechanisms.CorrelatedNoise(STRATEGIES["dense"], 8))
+
+  first = optimizer()
+  keras.utils.set_random_seed(1)
+  model = variants._private(first)
+  initial = model.get_weights()
+  model.fit(variants.X, variants.Y, batch_size=8, epochs=1, shuffle=False,
+            verbose=0)
+  path = str(tmp_path / "dense.keras")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    model.save(path)
+  loaded = dp.make_private(keras.models.load_model(path))
+  np.testing.assert_array_equal(loaded.optimizer._seed().numpy(),
+                                first._seed_pair)
+  assert loaded.optimizer._seed_pair != first._seed_pair  # fresh, unused
+  loaded.fit(variants.X, variants.Y, batch_size=8, epochs=1, shuffle=False,
+             verbose=0)
+  # The uninterrupted run with the same secret seed.
+  again = optimizer()
+  again._seed_pair = list(first._seed_pair)
+  whole = variants._private(again, model=variants._model())
+  whole.set_weights(initial)
+  whole.fit(variants.X, variants.Y, batch_size=8, epochs=2, shuffle=False,
+            verbose=0)
+  for a, b in zip(loaded.get_weights(), whole.get_weights()):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_dpquery_noise_ignores_the_global_seed():
+  def noise():
+    tf.random.set_seed(0)
+    query = mechanisms.CorrelatedNoise(
+        STRATEGIES["banded"], 4, l2_norm_clip=1.0, noise_multiplier=1.0,
+        record_specs=[tf.TensorSpec((5,), tf.float64)])
+    result, _, _ = query.get_noised_result(
+        query.initial_sample_state(), query.initial_global_state())
+    assert result[0].dtype == tf.float64
+    return result[0].numpy()
+  assert not np.allclose(noise(), noise())
+  with pytest.raises(ValueError, match="record_specs"):
+    mechanisms.CorrelatedNoise(STRATEGIES["banded"], 4, l2_norm_clip=1.0,
+                               noise_multiplier=1.0).initial_global_state()
+
+
+def test_accounting_without_a_step_uses_the_planned_batches_per_epoch():
+  """Before training (no steps per epoch seen), dp_event(steps=…) derives
+  the participation from N and B; it never falls back to the plan."""
+  mechanism = mechanisms.CorrelatedNoise(mf.Toeplitz([1.0, 0.8, 0.6, 0.4]),
+                                         40, participations=4,
+                                         min_separation=10)
+  opt = dp.DPAdam(1.0, 1.0, noise=mechanism)
+  planned = opt.dp_event(100, batch_size=10, steps=40, sampling="cyclic")
+  np.testing.assert_allclose(planned.noise_multiplier, 1.0)
+  longer = opt.dp_event(100, batch_size=10, steps=400, sampling="cyclic")
+  want = mechanism.sensitivity / mf.sensitivity(mechanism.strategy, 400, 40,
+                                                10)
+  np.testing.assert_allclose(longer.noise_multiplier, want)
+  shuffled = opt.dp_event(100, batch_size=10, steps=40, sampling="shuffle")
+  assert shuffled.noise_multiplier < 1.0
+  assert isinstance(opt.dp_event(100, batch_size=10, steps=0,
+                                 sampling="cyclic"),
+                    dp_accounting.NoOpDpEvent)
 
 
 # --------------------------------------------------- 7. DPQuery protocol
@@ -354,7 +451,9 @@ def test_cyclic_batches_repeat_the_same_order_every_epoch():
   assert sorted(sum(first, [])) == list(range(10))
   assert first[0] != [0, 1, 2, 3]  # permuted once
   with pytest.raises(ValueError, match="different lengths"):
-    dp.data.cyclic_batches(x, np.arange(9), batch_size=4)
+    dp.data.cyclic_batches(x, np.arange(9), batch_size=4, seed=0)
+  with pytest.raises(ValueError, match="explicit seed"):
+    dp.data.cyclic_batches(x, np.arange(10), batch_size=4, seed=None)
 
 
 def test_for_cyclic_training_plans_steps_participations_and_separation():
@@ -366,7 +465,7 @@ def test_for_cyclic_training_plans_steps_participations_and_separation():
                              np.sqrt(3 * (1 + 0.25)))
 
 
-def test_correlated_noise_with_warnings_silenced_is_still_noise():
+def test_zero_noise_multiplier_with_correlated_noise_is_not_private():
   # σ = 0 with correlated noise is as non-private as without: warned, ε = ∞.
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -53,6 +53,7 @@ class NoiseMechanism:
 
   # Ratio of the noise std to σΔ for z_t; sens(C) for DP-MF.
   sensitivity = 1.0
+  regenerates_past_draws = False
 
   def __init__(self, l2_norm_clip=None, noise_multiplier=None,
                record_specs=None):
@@ -109,13 +110,29 @@ class NoiseMechanism:
                        "record_specs (a nest of tf.TensorSpec of the records).")
     return [tf.TensorShape(s.shape) for s in tf.nest.flatten(self.record_specs)]
 
+  def _fresh_z(self, templates):
+    """N(0, 1) draws from a generator seeded by the OS, created with the
+    global state: fresh on every call even where a caller fails to thread the
+    state (TF-Privacy's Keras optimizers, their #111), and unaffected by
+    ``tf.random.set_seed``, so the noise cannot be predicted."""
+    if getattr(self, "_generator", None) is None:
+      raise ValueError("Call initial_global_state() before get_noised_result.")
+    return [tf.cast(self._generator.normal(tf.shape(t)), t.dtype)
+            for t in templates]
+
   def initial_global_state(self):
     clip, sigma = self._query_parameters()
+    if getattr(self, "_generator", None) is None:
+      self._generator = tf.random.Generator.from_non_deterministic_state()
+    if (self.record_specs is None
+        and self.state_shape(tf.TensorShape([1])) is not None):
+      self._record_shapes()  # raises: the streaming state needs the shapes
     state = []
     if self.record_specs is not None:
-      state = [tf.zeros(s) for s in
-               (self.state_shape(shape) for shape in self._record_shapes())
-               if s is not None]
+      for spec in tf.nest.flatten(self.record_specs):
+        shape = self.state_shape(tf.TensorShape(spec.shape))
+        if shape is not None:
+          state.append(tf.zeros(shape, getattr(spec, "dtype", tf.float32)))
     return GlobalState(tf.constant(clip, tf.float32),
                        tf.constant(clip * sigma, tf.float32),
                        tf.constant(0, tf.int64), state)
@@ -187,18 +204,18 @@ class IndependentNoise(NoiseMechanism):
                        num_examples, steps_per_epoch=None):
     """DP-SGD's event. With independent noise a fixed batch order
     (``"cyclic"``) is accounted as reshuffled epochs (once per epoch, no
-    amplification), and ``"cyclic_poisson"`` with one band is Poisson
-    sampling."""
-    sampling = {"cyclic": "shuffle",
-                "cyclic_poisson": "poisson"}.get(sampling, sampling)
+    amplification)."""
+    if sampling == "cyclic_poisson":
+      raise ValueError(
+          "cyclic_poisson accounting is for banded correlated noise "
+          "(CorrelatedNoise); with independent noise use sampling='poisson' "
+          "for Poisson-sampled batches.")
+    sampling = {"cyclic": "shuffle"}.get(sampling, sampling)
     return events.dp_sgd_event(noise_multiplier, num_examples, batch_size,
                                steps, sampling, steps_per_epoch)
 
   def _fresh_sample(self, templates, global_state):
-    # Stateful RNG: fresh noise on every call even where a caller fails to
-    # thread the global state (TF-Privacy's Keras optimizers, their #111).
-    return [tf.random.normal(tf.shape(t), stddev=global_state.stddev,
-                             dtype=t.dtype) for t in templates], []
+    return [global_state.stddev * z for z in self._fresh_z(templates)], []
 
   def _release_event(self):
     return dp_accounting.GaussianDpEvent(self._query_parameters()[1])
@@ -211,9 +228,9 @@ class CorrelatedNoise(NoiseMechanism):
     strategy: a ``tf_dpadambc.mf`` strategy (``Identity``, ``Toeplitz`` /
       ``sqrt_toeplitz`` / ``optimize_banded``, ``BLT`` / ``optimize_blt``,
       ``Dense`` / ``optimize_dense``).
-    steps: n, the planned number of logical steps: the sensitivity and the
-      accounting are computed for it (a longer run is accounted for the steps
-      actually taken, at a correspondingly smaller effective σ).
+    steps: n, the planned number of logical steps: the noise is calibrated
+      for it (the accounting uses the steps, epochs and separation actually
+      run: a longer run gets a correspondingly smaller effective σ).
     participations: k, the most steps one example joins (epochs).
     min_separation: s, the fewest steps between two participations of an
       example (steps per epoch with ``tf_dpadambc.data.cyclic_batches``).
@@ -231,6 +248,9 @@ class CorrelatedNoise(NoiseMechanism):
     if not isinstance(strategy, strategies.Strategy):
       raise TypeError("strategy must be a tf_dpadambc.mf strategy (e.g. "
                       f"mf.optimize_banded(...)); got {strategy!r}.")
+    if steps is None:
+      raise ValueError("steps (the planned number of logical steps) is "
+                       "required.")
     steps = check_count("steps", steps)
     participations = check_count("participations", participations)
     if participations > 1 and min_separation is None:
@@ -239,7 +259,8 @@ class CorrelatedNoise(NoiseMechanism):
           "steps between two uses of an example (steps per epoch when "
           "batches repeat in a fixed order, tf_dpadambc.data.cyclic_batches; "
           "1 if the data are reshuffled every epoch).")
-    min_separation = check_count("min_separation", min_separation or steps)
+    min_separation = (steps if min_separation is None
+                      else check_count("min_separation", min_separation))
     super().__init__(l2_norm_clip, noise_multiplier, record_specs)
     self.strategy = strategy
     self.steps = steps
@@ -249,10 +270,10 @@ class CorrelatedNoise(NoiseMechanism):
         strategy, steps, participations, min_separation))
     # sens²·‖row_t(C⁻¹)‖² for t ≤ n; later steps reuse the last (Toeplitz
     # row norms converge; a Dense C continues as the identity).
-    factors = self.sensitivity ** 2 * strategy.inverse_row_norms_squared(
-        steps + 1)
+    rows = steps + 1
     if isinstance(strategy, strategies.Dense):
-      factors[strategy.steps:] = self.sensitivity ** 2
+      rows = max(rows, strategy.steps + 1)  # its last row is the identity's
+    factors = self.sensitivity ** 2 * strategy.inverse_row_norms_squared(rows)
     self._factors = factors.astype(np.float32)
 
   @classmethod
@@ -272,6 +293,12 @@ class CorrelatedNoise(NoiseMechanism):
             f"sensitivity={self.sensitivity:.4g})")
 
   # --------------------------------------------------- optimizer-facing API
+  @property
+  def regenerates_past_draws(self):
+    """True for a Dense C: step t redraws z_0..z_t from the step seeds, so the
+    seeds must survive a save/restore."""
+    return isinstance(self.strategy, strategies.Dense)
+
   def state_shape(self, shape):
     buffers = self.strategy.buffers
     return (buffers,) + tuple(shape) if buffers else None
@@ -323,12 +350,11 @@ class CorrelatedNoise(NoiseMechanism):
   def participation(self, steps, sampling, steps_per_epoch):
     """(k, s) of a run of ``steps`` logical steps under ``sampling``.
 
-    ``"cyclic"``: batches in the same order every epoch, s = steps per epoch.
+    ``"cyclic"``: one permutation, the same batches in the same order every
+    epoch (resumed only at epoch boundaries): s = steps per epoch.
     ``"shuffle"``: reshuffled every epoch, so an example can be in the last
     batch of one epoch and the first of the next: s = 1.
     """
-    if steps_per_epoch is None:
-      return self.participations, self.min_separation
     per_epoch = max(1, int(math.floor(steps_per_epoch)))
     k = max(1, int(math.ceil(steps / steps_per_epoch - 1e-9)))
     if sampling == "cyclic":
@@ -358,9 +384,13 @@ class CorrelatedNoise(NoiseMechanism):
           "sampling. Use sampling='cyclic' (fixed batch order, "
           "tf_dpadambc.data.cyclic_batches), 'shuffle' (reshuffled epochs, "
           "no amplification) or 'cyclic_poisson' for a banded strategy.")
+    if steps == 0:
+      return dp_accounting.NoOpDpEvent()
     if sampling == "cyclic_poisson":
       return self._amplified_event(noise_multiplier, steps, batch_size,
                                    num_examples)
+    if steps_per_epoch is None:
+      steps_per_epoch = events.batches_per_epoch(num_examples, batch_size)
     k, s = self.participation(steps, sampling, steps_per_epoch)
     actual = strategy_sensitivity(self.strategy, max(steps, 1), k, s)
     return events.correlated_noise_event(noise_multiplier, self.sensitivity,
@@ -397,10 +427,10 @@ class CorrelatedNoise(NoiseMechanism):
       raise ValueError("A Dense strategy regenerates past noise from step "
                        "seeds; use it through the tf_dpadambc optimizers, or "
                        "a Toeplitz/BLT strategy as a DPQuery.")
-    # Stateful RNG, as IndependentNoise: a caller that does not thread the
-    # state gets fresh z_t (x_t = z_t: more noise, never repeated noise).
-    z = [tf.random.normal(tf.shape(t), dtype=tf.float32) for t in templates]
-    return self._stream(templates, z, global_state.stddev * self.sensitivity,
+    # A caller that does not thread the state gets fresh z_t with zero
+    # buffers (x_t = z_t: more noise, never repeated noise).
+    return self._stream(templates, self._fresh_z(templates),
+                        global_state.stddev * self.sensitivity,
                         global_state.noise_state, global_state.step)
 
   def _release_event(self):

@@ -132,7 +132,8 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
 
   for sampling, how in (
       ("cyclic", "if the batches repeat in the same order every epoch "
-                 "(tf_dpadambc.data.cyclic_batches)"),
+                 "(tf_dpadambc.data.cyclic_batches with one seed for the "
+                 "whole run, resumed only at epoch boundaries)"),
       ("shuffle", "if the data are reshuffled every epoch (model.fit's "
                   "default; an example can be in consecutive steps)")):
     k, s = mechanism.participation(steps, sampling, per_epoch)
@@ -141,9 +142,11 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
   try:
     amplified = epsilon("cyclic_poisson")
     lines.append(
-        f"  ε = {amplified:.3f} with cyclic Poisson sampling (amplified "
-        "BandMF, Choquette-Choo et al. 2023, Thm 4: examples split into b "
-        "groups, step t samples group t mod b with probability B·b/N).")
+        f"  ε = {amplified:.3f} IF the batches were cyclic-Poisson sampled "
+        "(amplified BandMF, Choquette-Choo et al. 2023, Thm 4: examples split "
+        "into b groups, step t samples group t mod b with probability B·b/N)"
+        "; this library has no such sampler yet, so this figure does not "
+        "apply to fit's batches.")
   except ValueError:
     pass  # not banded: no amplification result applies
   lines += [

@@ -230,6 +230,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
               name=f"dp_noise_state_{stream}_{i}")
           for i, shape in enumerate(shapes)]
 
+    # A Dense DP-MF strategy redraws z_0..z_t every step: a resumed run must
+    # redraw them with the same (secret) seed, so it is saved like the state.
+    self._seed_variable = None
+    if self.noise.regenerates_past_draws:
+      self._seed_variable = self.add_variable(
+          (2,), initializer=keras.initializers.Constant(self._seed_pair),
+          dtype="int64", name="dp_noise_seed")
+
   # The noise streams of a step's releases: 0 for ḡ (1: IME's ḡ², 2: JME's).
   _noise_streams = (0,)
 
@@ -327,6 +335,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # Releases are ordered like `variables`, which may be a subset of the
     # variables the optimizer was built with: update_step maps its variable
     # index to the release's position (see _position).
+    if self.is_correlated and [self._get_variable_index(v) for v in
+                               variables] != list(range(
+                                   len(self._trainable_variables))):
+      raise ValueError(
+          "Correlated (DP-MF) noise streams every variable's noise from its "
+          "past draws, so every step must update all the variables the "
+          f"optimizer was built with, in order ({len(variables)} of "
+          f"{len(self._trainable_variables)} given). Freeze layers before "
+          "the first step, or use a new optimizer after freezing.")
     object.__setattr__(self, "_step_variables", variables)
     object.__setattr__(self, "_step_positions", {
         self._get_variable_index(v): i for i, v in enumerate(variables)})
@@ -365,7 +382,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     def sample(templates, stddev, stream=0):
       def seed_of(j):  # stream 0 draws exactly the independent noise's z
-        s = core_noise.step_seed(self._seed_pair, j)
+        s = core_noise.step_seed(self._seed(), j)
         return s if stream == 0 else core_noise.sub_seed(s, stream)
       variables = self._stream_state(stream)
       state = [v.value for v in variables if v is not None] or None
@@ -373,6 +390,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
                                                   step, state)
       return out
     return sample, new_states
+
+  def _seed(self):
+    """The secret seed pair; a variable (saved) where past draws are redrawn."""
+    if getattr(self, "_seed_variable", None) is not None:
+      return self._seed_variable.value
+    return self._seed_pair
 
   def _stream_state(self, stream):
     """The state variables of one release stream, in the step's order."""
@@ -487,14 +510,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def accounted_noise_multiplier(self, num_examples):
     """The σ the accounting uses for a training set of N examples.
 
-    :attr:`effective_noise_multiplier`, halved as well when gradient
+    :attr:`effective_noise_multiplier`, halved again when gradient
     accumulation's k does not divide the batches of an epoch: a logical step
-    can then span two epochs and hold the same example twice (sensitivity 2C).
+    can then span two epochs and hold the same example twice (twice the
+    per-unit sensitivity). A step spanning more than two epochs is covered by
+    the accounting's one participation per started epoch.
     """
     sigma = self.effective_noise_multiplier
     per_epoch = self.logical_steps_per_epoch(num_examples)
     if per_epoch is not None and per_epoch != int(per_epoch):
-      sigma = min(sigma, self.noise_multiplier / 2)
+      sigma = sigma / 2  # compounds: two microbatches of 2C each give 4C
     return sigma
 
   def logical_steps_per_epoch(self, num_examples):
@@ -525,6 +550,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
     leak clipped gradients. A run restored mid-accumulation starts the
     logical batch afresh (the partial sums are dropped, never released).
     """
+    if self.is_correlated:
+      warnings.warn(
+          f"{self.name}: the saved optimizer state holds past DP-MF noise "
+          "(and, for dense strategies, the noise seed). Keep this file as "
+          "private as the training data; to publish the model, save its "
+          "weights only (model.save_weights, or "
+          "model.save(..., include_optimizer=False)).", UserWarning,
+          stacklevel=2)
     for i, variable in enumerate(self._saved_variables()):
       store[str(i)] = variable.numpy()
 
