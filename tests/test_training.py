@@ -258,6 +258,18 @@ def test_accumulation_spanning_epochs_is_accounted_with_half_sigma():
   assert event.count == 3
 
 
+def test_accumulation_spanning_epochs_compounds_with_microbatching():
+  """Microbatches (2C each) and a logical step holding an example twice:
+  sensitivity 4C, σ/4 (not min(σ/2, σ/2))."""
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.2, num_microbatches=8,
+                                   gradient_accumulation_steps=3),
+                loss=_loss())
+  model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  assert model.optimizer.accounted_noise_multiplier(N) == pytest.approx(0.3)
+
+
 def test_keras_private_attributes_still_exist():
   # _compat relies on these; a Keras release that renames them must fail here.
   model = _model(dropout=True)
