@@ -413,3 +413,38 @@ def test_plain_model_passes_the_verification():
   model.compile(loss=_loss())
   result, _, _ = dp.private_gradient_sum(model, x[:8], y[:8], None, 1.0)
   assert not bool(result.mismatch)
+
+
+def _scalars(log_dir):
+  """tag -> [(step, value)] from the event files under ``log_dir``."""
+  import glob
+  out = {}
+  for path in glob.glob(f"{log_dir}/events.out.tfevents.*"):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        number = float(tf.make_ndarray(value.tensor))
+        out.setdefault(value.tag, []).append((event.step, number))
+  return out
+
+
+def test_privacy_tensorboard_writes_epsilon_and_diagnostics(tmp_path):
+  x, y = _data()
+  model = dp.make_private(_model())
+  opt = dp.DPAdamBC(1.0, 1.1, learning_rate=1e-3)
+  model.compile(optimizer=opt, loss=_loss())
+  log_dir = str(tmp_path / "tb")
+  budget = dp.PrivacyBudget(N, 1e-5, verbose=0)
+  model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[
+      budget, dp.PrivacyTensorBoard(log_dir, N, 1e-5, update_freq=4)])
+  scalars = _scalars(log_dir)
+  epsilons = scalars["privacy/epsilon"]
+  assert [s for s, _ in epsilons] == [8, 16]  # logical steps, per epoch
+  np.testing.assert_allclose([e for _, e in epsilons], budget.history,
+                             rtol=1e-6)
+  # Every 4 batches and at each epoch end: steps 4, 8, 8, 12, 16, 16.
+  assert [s for s, _ in scalars["dp/dp_v_over_phi"]] == [4, 8, 8, 12, 16, 16]
+  assert {"dp/dp_clamped_fraction", "privacy/noise_variance"} <= set(scalars)
+  phi = scalars["privacy/noise_variance"][-1][1]
+  np.testing.assert_allclose(phi, (1.1 * 1.0 / 32) ** 2, rtol=1e-5)
+  with pytest.raises(ValueError, match="update_freq"):
+    dp.PrivacyTensorBoard(log_dir, N, 1e-5, update_freq=0)

@@ -17,6 +17,7 @@ noise (``noise=CorrelatedNoise(...)``), ``data`` for cyclic batches;
 """
 from tf_dpadambc._version import __version__
 from tf_dpadambc.accounting import PrivacyBudget
+from tf_dpadambc.accounting import PrivacyTensorBoard
 from tf_dpadambc.accounting import compute_epsilon
 from tf_dpadambc.accounting import compute_mf_noise_multiplier
 from tf_dpadambc.accounting import compute_noise_multiplier
@@ -39,7 +40,8 @@ from tf_dpadambc.keras import __all__ as _KERAS
 __all__ = list(_KERAS) + [
     "Advice", "advise", "CorrelatedNoise", "IndependentNoise", "bias_correction_error_bound",
     "dpsgdm_equivalent_learning_rate", "dpsgdm_equivalent_momentum",
-    "PrivacyBudget", "compute_epsilon", "compute_mf_noise_multiplier", "compute_noise_multiplier",
+    "PrivacyBudget", "PrivacyTensorBoard", "compute_epsilon",
+    "compute_mf_noise_multiplier", "compute_noise_multiplier",
     "dp_sgd_event", "epsilon_of_event", "optimizer_privacy_statement",
     "privacy_statement", "__version__",
 ]

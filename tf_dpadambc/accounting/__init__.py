@@ -1,5 +1,6 @@
 """Privacy accounting on dp_accounting: events, ε, σ calibration, statements."""
 from tf_dpadambc.accounting.callbacks import PrivacyBudget
+from tf_dpadambc.accounting.callbacks import PrivacyTensorBoard
 from tf_dpadambc.accounting.epsilon import compute_epsilon
 from tf_dpadambc.accounting.epsilon import compute_mf_noise_multiplier
 from tf_dpadambc.accounting.epsilon import compute_noise_multiplier
