@@ -270,6 +270,21 @@ def test_accumulation_spanning_epochs_compounds_with_microbatching():
   assert model.optimizer.accounted_noise_multiplier(N) == pytest.approx(0.3)
 
 
+@pytest.mark.parametrize("steps, epochs_touched", [(16, 2), (20, 4), (4, 1)])
+def test_a_logical_step_spanning_m_epochs_is_accounted_with_sigma_over_m(
+    steps, epochs_touched):
+  """8 batches per epoch; k = 16 covers 2 whole epochs, k = 20 can touch 4
+  (ceil(19/8) + 1), k = 4 divides the epoch."""
+  x, y = _data()
+  model = dp.make_private(_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.2,
+                                   gradient_accumulation_steps=steps),
+                loss=_loss())
+  model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+  assert model.optimizer.accounted_noise_multiplier(N) == pytest.approx(
+      1.2 / epochs_touched)
+
+
 def test_keras_private_attributes_still_exist():
   # _compat relies on these; a Keras release that renames them must fail here.
   model = _model(dropout=True)

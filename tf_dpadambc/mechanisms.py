@@ -282,7 +282,7 @@ class CorrelatedNoise(NoiseMechanism):
 
     n = epochs·ceil(N/B) steps, k = epochs participations, ceil(N/B) apart.
     """
-    per_epoch = int(math.ceil(num_examples / batch_size))
+    per_epoch = events.batches_per_epoch(num_examples, batch_size)
     return cls(strategy, steps=epochs * per_epoch, participations=epochs,
                min_separation=per_epoch)
 

@@ -7,7 +7,23 @@ import tensorflow as tf
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 
 
-class PrivacyBudget(keras.callbacks.Callback):
+class _EpsilonCallback(keras.callbacks.Callback):
+  """ε of the optimizer's own DpEvent for one sampling assumption."""
+
+  def __init__(self, num_examples, delta, accountant, sampling):
+    super().__init__()
+    self.num_examples = num_examples
+    self.delta = delta
+    self.accountant = accountant
+    self.sampling = sampling
+
+  def _epsilon(self, optimizer, extra_steps=0):
+    event = optimizer.dp_event(self.num_examples, sampling=self.sampling,
+                               steps=optimizer.steps_taken + extra_steps)
+    return epsilon_lib.epsilon_of_event(event, self.delta, self.accountant)
+
+
+class PrivacyBudget(_EpsilonCallback):
   """Logs ε (``logs['epsilon']``) after every epoch; stops before a budget.
 
   ε is computed from the optimizer's own DpEvent (the steps it actually took,
@@ -29,19 +45,10 @@ class PrivacyBudget(keras.callbacks.Callback):
 
   def __init__(self, num_examples, delta, target_epsilon=None,
                accountant="rdp", sampling="shuffle", verbose=1):
-    super().__init__()
-    self.num_examples = num_examples
-    self.delta = delta
+    super().__init__(num_examples, delta, accountant, sampling)
     self.target_epsilon = target_epsilon
-    self.accountant = accountant
-    self.sampling = sampling
     self.verbose = verbose
     self.history = []
-
-  def _epsilon(self, optimizer, extra_steps=0):
-    event = optimizer.dp_event(self.num_examples, sampling=self.sampling,
-                               steps=optimizer.steps_taken + extra_steps)
-    return epsilon_lib.epsilon_of_event(event, self.delta, self.accountant)
 
   def on_epoch_begin(self, epoch, logs=None):
     self._steps_at_epoch_start = self.model.optimizer.steps_taken
@@ -78,7 +85,7 @@ def _scalar(tag, value):
   tf.summary.write(tag, tf.constant(value, tf.float32), metadata=_SCALAR)
 
 
-class PrivacyTensorBoard(keras.callbacks.Callback):
+class PrivacyTensorBoard(_EpsilonCallback):
   """Writes ε and the DP optimizer's diagnostics to TensorBoard.
 
   Scalars, under ``log_dir`` (next to Keras' own ``TensorBoard`` logs if
@@ -99,16 +106,12 @@ class PrivacyTensorBoard(keras.callbacks.Callback):
 
   def __init__(self, log_dir, num_examples, delta, accountant="rdp",
                sampling="shuffle", update_freq="epoch"):
-    super().__init__()
     if update_freq != "epoch" and not (isinstance(update_freq, int)
                                        and update_freq > 0):
       raise ValueError('update_freq must be "epoch" or a positive integer; '
                        f"got {update_freq!r}.")
+    super().__init__(num_examples, delta, accountant, sampling)
     self.log_dir = log_dir
-    self.num_examples = num_examples
-    self.delta = delta
-    self.accountant = accountant
-    self.sampling = sampling
     self.update_freq = update_freq
     self._writer = None
     self._batches = 0
@@ -138,8 +141,7 @@ class PrivacyTensorBoard(keras.callbacks.Callback):
     if not optimizer.logical_batch_size:
       return
     self._write_diagnostics(optimizer)
-    event = optimizer.dp_event(self.num_examples, sampling=self.sampling)
-    eps = epsilon_lib.epsilon_of_event(event, self.delta, self.accountant)
+    eps = self._epsilon(optimizer)
     with self._summary_writer().as_default(
         step=int(optimizer.iterations.numpy())):
       _scalar("privacy/epsilon", eps)

@@ -104,7 +104,8 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
   pattern, and amplified BandMF where the strategy is banded."""
   mechanism = optimizer.noise
   steps = optimizer.steps_taken
-  per_epoch = optimizer.logical_steps_per_epoch(num_examples)
+  per_epoch = (optimizer.logical_steps_per_epoch(num_examples)
+               or events.batches_per_epoch(num_examples, batch_size))
   sigma = optimizer.accounted_noise_multiplier(num_examples)
   lines = [
       "Differential privacy statement (tf_dpadambc), correlated noise (DP-MF)",

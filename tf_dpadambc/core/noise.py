@@ -54,9 +54,13 @@ def independent_sampler(seed):
   same signature.
   """
   def sample(templates, stddev, stream=0):
-    return gaussian_noise_like(
-        templates, stddev, seed if stream == 0 else sub_seed(seed, stream))
+    return gaussian_noise_like(templates, stddev, stream_seed(seed, stream))
   return sample
+
+
+def stream_seed(seed, stream):
+  """The seed of release ``stream`` of a step: the step's own for stream 0."""
+  return seed if stream == 0 else sub_seed(seed, stream)
 
 
 def gaussian_release(clipped_sum, l2_norm_clip, noise_multiplier, num_units,

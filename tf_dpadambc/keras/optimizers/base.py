@@ -18,9 +18,9 @@ import warnings
 import keras
 import tensorflow as tf
 
+from tf_dpadambc import mechanisms
 from tf_dpadambc._checks import check_count  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_decay  # noqa: F401 (re-exported)
-from tf_dpadambc import mechanisms
 from tf_dpadambc._checks import check_positive
 from tf_dpadambc.accounting import events
 from tf_dpadambc.core import clipping
@@ -382,8 +382,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     def sample(templates, stddev, stream=0):
       def seed_of(j):  # stream 0 draws exactly the independent noise's z
-        s = core_noise.step_seed(self._seed(), j)
-        return s if stream == 0 else core_noise.sub_seed(s, stream)
+        return core_noise.stream_seed(
+            core_noise.step_seed(self._seed(), j), stream)
       variables = self._stream_state(stream)
       state = [v.value for v in variables if v is not None] or None
       out, new_states[stream] = self.noise.sample(templates, stddev, seed_of,
@@ -510,17 +510,30 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def accounted_noise_multiplier(self, num_examples):
     """The σ the accounting uses for a training set of N examples.
 
-    :attr:`effective_noise_multiplier`, halved again when gradient
-    accumulation's k does not divide the batches of an epoch: a logical step
-    can then span two epochs and hold the same example twice (twice the
-    per-unit sensitivity). A step spanning more than two epochs is covered by
-    the accounting's one participation per started epoch.
+    :attr:`effective_noise_multiplier`, divided by the most epochs one
+    logical step can touch: with gradient accumulation a logical step can
+    hold the same example once per epoch it spans (m times the per-unit
+    sensitivity; compounding with microbatching's 2C).
     """
-    sigma = self.effective_noise_multiplier
-    per_epoch = self.logical_steps_per_epoch(num_examples)
-    if per_epoch is not None and per_epoch != int(per_epoch):
-      sigma = sigma / 2  # compounds: two microbatches of 2C each give 4C
-    return sigma
+    return (self.effective_noise_multiplier
+            / self._epochs_per_logical_step(num_examples))
+
+  def _epochs_per_logical_step(self, num_examples):
+    """m: the most epochs a window of k consecutive physical batches (a
+    logical step; windows start at multiples of k) can intersect, with P
+    batches per epoch: 1 if k divides P, k/P if P divides k, else
+    ceil((k − 1)/P) + 1 (a window starting at an epoch's last batch)."""
+    k = self.accumulation_steps
+    physical = (int(self._max_physical_examples.numpy()) if self.built
+                else 0)
+    if k == 1 or not physical:
+      return 1
+    p = events.batches_per_epoch(num_examples, physical)
+    if p % k == 0:
+      return 1
+    if k % p == 0:
+      return k // p
+    return -(-(k - 1) // p) + 1
 
   def logical_steps_per_epoch(self, num_examples):
     """Logical steps per pass over the data: ceil(N / b) / k, b physical."""
