@@ -1,9 +1,11 @@
 """Keras 3 adapters over the functional core."""
 from tf_dpadambc.keras.optimizers import *  # noqa: F401,F403
 from tf_dpadambc.keras.optimizers import __all__ as _OPTIMIZERS
+from tf_dpadambc.keras.ghost import ClippingPlan
+from tf_dpadambc.keras.training import clipping_plan
 from tf_dpadambc.keras.training import is_private
 from tf_dpadambc.keras.training import make_private
 from tf_dpadambc.keras.training import private_gradient_sum
 
-__all__ = list(_OPTIMIZERS) + ["is_private", "make_private",
-                               "private_gradient_sum"]
+__all__ = list(_OPTIMIZERS) + ["ClippingPlan", "clipping_plan", "is_private",
+                               "make_private", "private_gradient_sum"]

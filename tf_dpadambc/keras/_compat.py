@@ -1,10 +1,13 @@
 """Every use of a private Keras 3 attribute, in one place.
 
-The private train step needs three things Keras 3 does not expose publicly:
+The private train step needs four things Keras 3 does not expose publicly:
 the compiled loss (to evaluate it on one unit at a time), the loss tracker
-(so that ``loss`` in the logs means what it means in plain Keras) and the
+(so that ``loss`` in the logs means what it means in plain Keras), the
 random-seed generators of stochastic layers (to detect them, and to advance
-them after each step). ``tests/test_training.py`` fails loudly if a Keras release
+them after each step) and the variables each layer owns directly (ghost
+clipping records them per layer). Ghost clipping also relies on every
+variable read inside a ``keras.StatelessScope`` going through the scope's
+``get_current_value``. ``tests/test_training.py`` fails loudly if a Keras release
 renames any of them.
 """
 import keras
@@ -48,6 +51,11 @@ def loss_tracker(model):
 def flatten_layers(model):
   """All layers of the model, recursively, including the model itself."""
   return list(model._flatten_layers(include_self=True, recursive=True))  # pylint: disable=protected-access
+
+
+def own_trainable_variables(layer):
+  """The trainable variables a layer created itself (not its sublayers')."""
+  return [v for v in layer._trainable_variables if v.trainable]  # pylint: disable=protected-access
 
 
 def seed_generators(model):

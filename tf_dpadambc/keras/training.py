@@ -15,6 +15,7 @@ recovered. ``make_private(model)`` installs a train step that
 all inside the one function Keras compiles (``jit_compile=True`` works).
 Losses, metrics, sample weights and validation behave as in plain Keras.
 """
+import logging
 import types
 
 import keras
@@ -23,10 +24,14 @@ import tensorflow as tf
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
+from tf_dpadambc.keras import ghost
 from tf_dpadambc.keras import validation
 from tf_dpadambc.keras.optimizers import base
 
 _MARK = "_tf_dpadambc_private"
+_CLIPPING = "_tf_dpadambc_clipping"
+_PLAN = "_tf_dpadambc_plan"
+_METHODS = ("auto", "ghost", "vectorized")
 _METRICS = "_tf_dpadambc_metrics"
 _UNVERIFIED = "dp_unverified_steps"
 _DIAGNOSTICS = "_tf_dpadambc_diagnostics"
@@ -72,7 +77,7 @@ def _per_example_weights(sample_weight, batch_size):
 
 
 def private_gradient_sum(model, x, y, sample_weight, clip,
-                         num_microbatches=None):
+                         num_microbatches=None, method="auto"):
   """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
 
   ``clip`` is a clip norm C or a :class:`~tf_dpadambc.core.clipping.ClipSpec`
@@ -89,10 +94,17 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   values per step, shared by the units of the batch: random ops with a
   per-unit seed have no vectorization rule in TensorFlow.
 
+  ``method``: ``"auto"`` (ghost norms with book-keeping where the model
+  allows it, ``keras.ghost``; vectorized per-unit gradients otherwise),
+  ``"ghost"`` (raise ``ValueError`` where it is not possible) or
+  ``"vectorized"``. The plan used is kept for :func:`clipping_plan`.
+
   Returns:
     ``(ClippedSum, unit_losses [U], y_pred)`` with ``y_pred`` the batch's
     predictions in the original example order.
   """
+  if method not in _METHODS:
+    raise ValueError(f"clipping={method!r}: use one of {_METHODS}.")
   non_trainable = [v.value for v in model.non_trainable_variables]
   params = [v.value for v in model.trainable_variables]
   batch_size = _batch_size(x)
@@ -132,19 +144,94 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
     values = tf.reshape(values, tf.shape(uw)) * tf.cast(uw, values.dtype)
     return tf.reduce_mean(values, axis=1)
 
-  # The re-weighted backward pass is exact only if the batched forward pass
-  # gives every unit the loss the per-unit pass gave it. Known exceptions
-  # (stochastic layers, add_loss / regularization losses, several losses)
-  # skip it; anything else is caught at run time by clipped_gradient_sum,
-  # which compares the two passes' losses.
+  # Both fast paths are exact only if the batched forward pass gives every
+  # unit the loss the per-unit pass gives it. Known exceptions (add_loss /
+  # regularization losses, several losses) skip them; anything else is
+  # caught at run time by comparing losses (``mismatch``).
   probe = tf.nest.map_structure(lambda t: t[:1], x)
   _, extra_losses = forward(params, probe)
+  spec = clipping.as_spec(clip)
+  reason = None
+  if example_loss is None:
+    reason = "the model has several outputs or losses"
+  elif extra_losses:
+    reason = "the model adds losses (regularizers or add_loss)"
+  elif method != "vectorized":
+    def batch_unit_losses(y_pred):
+      values = _per_example_values(example_loss, y, y_pred)
+      uw = units[2]
+      values = tf.reshape(values, tf.shape(uw)) * tf.cast(uw, values.dtype)
+      return tf.reduce_mean(values, axis=1)
+    try:
+      result, unit_losses, y_pred, plan = ghost.clipped_sum(
+          model, params, non_trainable, x, batch_unit_losses, spec,
+          num_microbatches)
+    except ghost.Unsupported as e:
+      reason = str(e)
+    else:
+      _record_plan(model, plan)
+      # Examples must not mix: the first unit (and, without randomness, the
+      # last) evaluated alone must get the loss it got in the batch.
+      checks = [0] if _compat.seed_generators(model) else [0, -1]
+      same = tf.constant(True)
+      for i in checks:
+        alone, _ = unit_loss_fn(
+            params, tf.nest.map_structure(lambda t, i=i: t[i], units))
+        same &= tf.abs(unit_losses[i] - alone) <= 1e-4 * tf.abs(alone) + 1e-6
+      grads = [tf.where(same, g, tf.zeros_like(g)) for g in result.grads]
+      return result._replace(grads=grads, mismatch=~same), unit_losses, y_pred
+  if method == "ghost":
+    raise ValueError(f"clipping='ghost' is not possible: {reason}. Use "
+                     "clipping='auto' or 'vectorized'.")
+  if reason is None:
+    reason = "clipping='vectorized' was chosen"
+  _record_plan(model, ghost.ClippingPlan(fallback=reason))
   reweight = (example_loss is not None and not extra_losses
               and not _compat.seed_generators(model))
   result, unit_losses, y_pred = clipping.clipped_gradient_sum(
       unit_loss_fn, batch_unit_losses_fn if reweight else None, params, units,
-      clip)
+      spec)
   return result, unit_losses, per_example.merge_microbatches(y_pred)
+
+
+def _record_plan(model, plan):
+  """Keeps the plan for clipping_plan(); logs fallbacks once per trace."""
+  object.__setattr__(model, _PLAN, plan)
+  if plan.fallback and not plan.fallback.endswith("was chosen"):
+    logging.getLogger(__name__).warning(
+        "Model '%s': no ghost clipping, because %s; clipping uses vectorized "
+        "per-unit gradients of the whole model (correct, slower).",
+        model.name, plan.fallback)
+  elif plan.per_layer_fallbacks:
+    logging.getLogger(__name__).warning(
+        "Model '%s': no ghost-norm rule for %s; those layers use vectorized "
+        "per-unit gradients of their own weights.", model.name,
+        ", ".join(f"'{e.layer}' ({e.kind})" for e in plan.per_layer_fallbacks))
+
+
+def clipping_plan(model, x=None, y=None, sample_weight=None):
+  """How the private train step clips: a :class:`~tf_dpadambc.keras.ghost.ClippingPlan`.
+
+  Without data, the plan of the last traced train step (None before the
+  first). With a batch ``x, y``, traces the step's clipping on it (no weights
+  change) and returns that plan. ``print(plan)`` lists, per layer with
+  weights, the method: ghost norm, materialized per unit, row sums
+  (Embedding), or per-layer vectorized gradients; or why the whole model uses
+  vectorized per-unit gradients.
+  """
+  if x is not None:
+    optimizer = model.optimizer
+    if not isinstance(optimizer, base.DPOptimizer):
+      raise TypeError("clipping_plan(model, x, y) needs a model compiled with "
+                      "a tf_dpadambc optimizer.")
+    if not optimizer.built:
+      optimizer.build(model.trainable_variables)
+    tf.function(lambda: private_gradient_sum(
+        model, x, y, sample_weight,
+        optimizer.clip_spec(model.trainable_variables),
+        optimizer.num_microbatches,
+        getattr(model, _CLIPPING, "auto"))).get_concrete_function()
+  return getattr(model, _PLAN, None)
 
 
 def _refresh_public_preconditioner(model, optimizer):
@@ -202,7 +289,7 @@ def _dp_train_step(self, data):
     _refresh_public_preconditioner(self, optimizer)
   result, unit_losses, y_pred = private_gradient_sum(
       self, x, y, sample_weight, optimizer.clip_spec(self.trainable_variables),
-      optimizer.num_microbatches)
+      optimizer.num_microbatches, getattr(self, _CLIPPING, "auto"))
   num_units = tf.shape(unit_losses)[0]
   batch_size = _batch_size(x)
   optimizer.apply_private(result, num_units, batch_size,
@@ -260,7 +347,7 @@ def _checked_train_function(model):
   object.__setattr__(model, "make_train_function", make_train_function)
 
 
-def make_private(model):
+def make_private(model, clipping="auto"):
   """Gives a Keras 3 model a differentially private train step; returns it.
 
       model = tf_dpadambc.make_private(model)
@@ -280,6 +367,15 @@ def make_private(model):
   ``dp_clamped_fraction`` (bias correction: coordinates at the floor γ') and
   ``dp_negative_v_fraction`` (IME/JME: coordinates with v̂ < 0).
 
+  ``clipping`` says how per-unit norms and the clipped sum are computed:
+  ``"auto"`` (default) uses ghost norms with book-keeping (one forward and
+  one backward pass, no per-example gradients; ``keras.ghost``) when the
+  model allows it, with per-layer vectorized gradients for layers without a
+  ghost rule, and otherwise vectorized per-unit gradients of the whole model,
+  logging a warning that says why; ``"ghost"`` raises instead of falling
+  back; ``"vectorized"`` always uses vectorized per-unit gradients.
+  :func:`clipping_plan` shows the plan, per layer.
+
   Call it again after ``keras.models.load_model``: the train step is not
   saved with the model. Raises ``ValueError`` for layers that mix examples
   (BatchNormalization).
@@ -290,6 +386,9 @@ def make_private(model):
     raise ValueError("tf_dpadambc requires the TensorFlow backend of Keras 3 "
                      "(KERAS_BACKEND=tensorflow).")
   validation.check_model(model)
+  if clipping not in _METHODS:
+    raise ValueError(f"clipping={clipping!r}: use one of {_METHODS}.")
+  object.__setattr__(model, _CLIPPING, clipping)
   if not getattr(model, _MARK, False):
     metrics = (keras.metrics.Mean(name="dp_clipped_fraction"),
                keras.metrics.Sum(name="dp_nonfinite_examples"),

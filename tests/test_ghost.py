@@ -1,0 +1,360 @@
+"""Ghost norms and book-keeping (keras.ghost, core.ghost) against a loop reference.
+
+The reference computes every unit's gradient with its own GradientTape on
+that unit's examples alone (no vectorization, no ghost trick), then clips
+them with ``core.clipping.materialized_clipped_sum``.
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpadambc as dp
+from tf_dpadambc.core import clipping
+from tf_dpadambc.core import ghost
+from tf_dpadambc.keras import training
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def reference(model, x, y, sample_weight, spec, num_microbatches):
+  """Σ_u clip(g_u) from per-unit tapes, and the unit norms (NumPy)."""
+  batch = len(y)
+  size = 1 if num_microbatches is None else batch // num_microbatches
+  weights = np.ones(batch, "float32") if sample_weight is None else (
+      np.asarray(sample_weight, "float32"))
+  per_unit = []
+  for start in range(0, batch, size):
+    part = slice(start, start + size)
+    with tf.GradientTape() as tape:
+      values = LOSS.call(y[part], model(x[part], training=True))
+      loss = tf.reduce_mean(values * weights[part])
+    per_unit.append(tape.gradient(
+        loss, model.trainable_variables,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO))
+  stacked = [tf.stack(g) for g in zip(*per_unit)]
+  return clipping.materialized_clipped_sum(stacked, spec)
+
+
+def ghost_sum(model, x, y, sample_weight, spec, num_microbatches, jit=True,
+              method="ghost"):
+  model.compile(loss=LOSS)
+  fn = tf.function(lambda: training.private_gradient_sum(
+      model, x, y, sample_weight, spec, num_microbatches, method),
+      jit_compile=jit)
+  return fn()[0]
+
+
+def assert_same(result, expected, rtol=2e-5):
+  np.testing.assert_allclose(result.norms, expected.norms, rtol=rtol)
+  assert int(result.num_clipped) == int(expected.num_clipped)
+  assert not bool(result.mismatch)
+  # Relative to the largest entry: some entries are 0 up to rounding (the
+  # key bias of attention gets no gradient: softmax is shift invariant).
+  scale = max(np.max(np.abs(w)) for w in expected.grads) + 1e-6
+  for got, want in zip(result.grads, expected.grads):
+    np.testing.assert_allclose(np.asarray(got) / scale,
+                               np.asarray(want) / scale, atol=rtol * 10)
+
+
+def _mlp():
+  return keras.Sequential([keras.Input((7,)),
+                           keras.layers.Dense(6, activation="tanh"),
+                           keras.layers.Dense(3)])
+
+
+def _sequence_dense():  # Dense on [B, T, p]: ghost norm (2T² < pd)
+  return keras.Sequential([keras.Input((4, 9)),
+                           keras.layers.Dense(8, activation="relu"),
+                           keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def _embedding():  # padded ids, masked mean
+  return keras.Sequential([
+      keras.Input((6,), dtype="int32"),
+      keras.layers.Embedding(20, 4, mask_zero=True),
+      keras.layers.Dense(5, activation="relu"),
+      keras.layers.GlobalAveragePooling1D(),
+      keras.layers.LayerNormalization(), keras.layers.Dense(3)])
+
+
+def _conv2d():
+  return keras.Sequential([
+      keras.Input((10, 10, 2)),
+      keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="relu"),
+      keras.layers.GroupNormalization(2),
+      keras.layers.Conv2D(3, 2, padding="valid", dilation_rate=2),
+      keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def _conv1d():
+  return keras.Sequential([
+      keras.Input((10, 3)),
+      keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2),
+      keras.layers.Conv1D(4, 3, strides=2, padding="same", activation="relu"),
+      keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def _einsum():
+  return keras.Sequential([
+      keras.Input((5, 6)),
+      keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de"),
+      keras.layers.EinsumDense("abcd,cde->abe", (5, 4), bias_axes="e",
+                               activation="relu"),
+      keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def _attention():
+  inputs = keras.Input((5, 8))
+  h = keras.layers.MultiHeadAttention(2, 4)(inputs, inputs)
+  h = keras.layers.LayerNormalization()(h + inputs)
+  h = keras.layers.GlobalAveragePooling1D()(h)
+  return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+
+def _data(model, rng, batch=8):
+  shape = model.inputs[0].shape[1:]
+  if model.inputs[0].dtype.startswith("int"):
+    x = rng.integers(1, 20, (batch,) + tuple(shape)).astype("int32")
+    x[: batch // 2, 4:] = 0  # padding
+  else:
+    x = rng.normal(size=(batch,) + tuple(shape)).astype("float32")
+  return x, rng.integers(0, 3, batch).astype("int32")
+
+
+MODELS = {"dense": _mlp, "dense_sequence": _sequence_dense,
+          "embedding_layernorm": _embedding, "conv2d": _conv2d,
+          "conv1d": _conv1d, "einsum_dense": _einsum,
+          "multi_head_attention": _attention}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("microbatches,weighted,clip", [
+    (None, False, 1e6), (None, True, 0.3), (4, True, 0.3)])
+def test_fast_norms_and_sum_equal_the_per_unit_reference(
+    name, microbatches, weighted, clip):
+  rng = np.random.default_rng(0)
+  model = MODELS[name]()
+  x, y = _data(model, rng)
+  weights = rng.uniform(0.2, 2.0, len(y)).astype("float32") if weighted else None
+  spec = clipping.ClipSpec(clip)
+  result = ghost_sum(model, x, y, weights, spec, microbatches)
+  assert_same(result, reference(model, x, y, weights, spec, microbatches))
+  plan = dp.clipping_plan(model)
+  assert plan.fallback is None, plan
+
+
+def test_without_jit_compile_too():
+  rng = np.random.default_rng(1)
+  model = _conv2d()
+  x, y = _data(model, rng)
+  spec = clipping.ClipSpec(0.2)
+  assert_same(ghost_sum(model, x, y, None, spec, None, jit=False),
+              reference(model, x, y, None, spec, None))
+
+
+@pytest.mark.parametrize("name", ["dense", "dense_sequence", "embedding_layernorm",
+                                  "conv1d", "einsum_dense"])
+def test_scaled_norms_for_scale_then_privatize(name):
+  rng = np.random.default_rng(2)
+  model = MODELS[name]()
+  x, y = _data(model, rng)
+  scale = [rng.uniform(0.3, 3.0, v.shape).astype("float32")
+           for v in model.trainable_variables]
+  spec = clipping.ClipSpec(0.5, scale=scale)
+  assert_same(ghost_sum(model, x, y, None, spec, None),
+              reference(model, x, y, None, spec, None))
+
+
+def test_per_layer_clipping_and_automatic_clipping():
+  rng = np.random.default_rng(3)
+  model = _embedding()
+  x, y = _data(model, rng)
+  n = len(model.trainable_variables)
+  for spec in (clipping.ClipSpec(None, [0.05 * (k + 1) for k in range(n)]),
+               clipping.ClipSpec(0.5, automatic_gamma=0.01)):
+    assert_same(ghost_sum(model, x, y, None, spec, 2),
+                reference(model, x, y, None, spec, 2))
+
+
+def test_plan_picks_the_cheaper_method_per_layer():
+  rng = np.random.default_rng(4)
+  model = keras.Sequential([
+      keras.Input((28, 28, 1)),
+      keras.layers.Conv2D(16, 8, strides=2, padding="same"),   # T=196, pd=1024
+      keras.layers.Conv2D(32, 4, strides=2, padding="valid"),  # T=36, pd=8192
+      keras.layers.Flatten(), keras.layers.Dense(10)])
+  x, y = _data(model, rng, batch=4)
+  ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None)
+  methods = [e.method for e in dp.clipping_plan(model).entries]
+  assert methods[0].startswith("materialized"), methods
+  assert methods[1].startswith("ghost norm (T=36"), methods
+  assert methods[2].startswith("ghost norm ‖a‖·‖δ‖"), methods
+  assert "materialized" in str(dp.clipping_plan(model))
+
+
+class Scale(keras.layers.Layer):
+  """A layer with weights and no ghost rule: y = x ⊙ w."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=input_shape[-1:], initializer="ones")
+
+  def call(self, inputs):
+    return inputs * self.w
+
+
+def test_layer_without_rule_falls_back_per_layer(caplog):
+  rng = np.random.default_rng(5)
+  model = keras.Sequential([keras.Input((7,)), Scale(),
+                            keras.layers.Dense(4, activation="tanh"),
+                            keras.layers.Dense(3)])
+  model.layers[0].w.assign(rng.uniform(0.5, 1.5, 7).astype("float32"))
+  x, y = _data(model, rng)
+  spec = clipping.ClipSpec(0.3)
+  with caplog.at_level("WARNING"):
+    result = ghost_sum(model, x, y, None, spec, 2)
+  assert_same(result, reference(model, x, y, None, spec, 2))
+  plan = dp.clipping_plan(model)
+  assert [e.kind for e in plan.per_layer_fallbacks] == ["Scale"]
+  assert "per-layer vectorized" in str(plan)
+  assert "no ghost-norm rule" in caplog.text and "Scale" in caplog.text
+
+
+class TiedOutput(keras.layers.Layer):
+  """Logits from another layer's embedding matrix: tied weights."""
+
+  def __init__(self, embedding, **kwargs):
+    super().__init__(**kwargs)
+    self.embedding = embedding
+
+  def call(self, inputs):
+    return tf.matmul(inputs, self.embedding.embeddings, transpose_b=True)
+
+
+def _tied():
+  inputs = keras.Input((5,), dtype="int32")
+  embedding = keras.layers.Embedding(3, 4)
+  h = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
+  return keras.Model(inputs, TiedOutput(embedding)(h))
+
+
+def test_tied_weights_fall_back_to_the_vectorized_path(caplog):
+  rng = np.random.default_rng(6)
+  model = _tied()
+  x = rng.integers(0, 3, (8, 5)).astype("int32")
+  y = rng.integers(0, 3, 8).astype("int32")
+  spec = clipping.ClipSpec(0.3)
+  with caplog.at_level("WARNING"):
+    result = ghost_sum(model, x, y, None, spec, None, method="auto")
+  assert_same(result, reference(model, x, y, None, spec, None))
+  plan = dp.clipping_plan(model)
+  assert "tied or shared weights" in plan.fallback
+  assert "no ghost clipping" in caplog.text
+  with pytest.raises(ValueError, match="clipping='ghost' is not possible"):
+    ghost_sum(model, x, y, None, spec, None, method="ghost")
+
+
+def test_shared_layer_called_twice_sums_both_calls():
+  rng = np.random.default_rng(7)
+  inputs = keras.Input((6,))
+  dense = keras.layers.Dense(6, activation="tanh")
+  out = keras.layers.Dense(3)(dense(dense(inputs)))
+  model = keras.Model(inputs, out)
+  x, y = _data(model, rng)
+  spec = clipping.ClipSpec(0.3)
+  assert_same(ghost_sum(model, x, y, None, spec, None),
+              reference(model, x, y, None, spec, None))
+
+
+class BatchCentering(keras.layers.Layer):
+  """Mixes examples: subtracts the batch mean."""
+
+  def call(self, inputs):
+    return inputs - tf.reduce_mean(inputs, axis=0, keepdims=True)
+
+
+def test_layers_that_mix_examples_release_no_gradient():
+  rng = np.random.default_rng(8)
+  model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(5),
+                            BatchCentering(), keras.layers.Dense(3)])
+  x, y = _data(model, rng)
+  result = ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None)
+  assert bool(result.mismatch)
+  assert all(not np.any(g) for g in result.grads)
+
+
+def test_nonfinite_unit_adds_exactly_zero():
+  rng = np.random.default_rng(9)
+  model = _mlp()
+  x, y = _data(model, rng)
+  x[3, 2] = np.inf
+  spec = clipping.ClipSpec(0.5)
+  result = ghost_sum(model, x, y, None, spec, None)
+  assert int(result.num_nonfinite) == 1
+  keep = np.arange(len(y)) != 3
+  expected = reference(model, x[keep], y[keep], None, spec, None)
+  for got, want in zip(result.grads, expected.grads):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_models_use_ghost_clipping_with_one_mask_per_example():
+  model = keras.Sequential([keras.Input((7,)), keras.layers.Dense(16),
+                            keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+  x, y = _data(model, np.random.default_rng(10))
+  result = ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None)
+  assert not bool(result.mismatch)
+  assert dp.clipping_plan(model).fallback is None
+
+
+def test_core_rules_against_numpy():
+  rng = np.random.default_rng(11)
+  a = rng.normal(size=(3, 5, 4)).astype("float32")
+  d = rng.normal(size=(3, 5, 2)).astype("float32")
+  per_unit = np.einsum("utp,utd->upd", a, d)
+  want = np.sum(per_unit**2, axis=(1, 2))
+  # Both methods: ghost (T=5: 50 > 8 -> materialized) and forced ghost.
+  np.testing.assert_allclose(ghost.linear_sq_norms(a, d), want, rtol=1e-5)
+  big = np.repeat(a, 10, axis=2)  # p·d = 80 > 2T² = 50: ghost norm
+  np.testing.assert_allclose(
+      ghost.linear_sq_norms(big, d),
+      np.sum(np.einsum("utp,utd->upd", big, d)**2, axis=(1, 2)), rtol=1e-5)
+  w = np.array([0.5, 0.0, 2.0], "float32")
+  np.testing.assert_allclose(ghost.linear_grad(a, d, w),
+                             np.einsum("u,upd->pd", w, per_unit), rtol=1e-5)
+  ids = np.array([[1, 1, 4], [2, 0, 2]])
+  dd = rng.normal(size=(2, 3, 2)).astype("float32")
+  rows = np.zeros((2, 5, 2), "float32")
+  for u in range(2):
+    for t in range(3):
+      rows[u, ids[u, t]] += dd[u, t]
+  np.testing.assert_allclose(ghost.embedding_sq_norms(ids, dd),
+                             np.sum(rows**2, axis=(1, 2)), rtol=1e-5)
+  np.testing.assert_allclose(ghost.embedding_grad(ids, dd, np.ones(2, "float32"), 5),
+                             rows.sum(0), rtol=1e-5)
+
+
+def test_training_with_ghost_clipping_equals_vectorized_training():
+  rng = np.random.default_rng(12)
+  x = rng.integers(1, 20, (64, 6)).astype("int32")
+  y = rng.integers(0, 3, 64).astype("int32")
+  weights = {}
+  for method in ("auto", "vectorized"):
+    keras.utils.set_random_seed(3)
+    model = dp.make_private(_embedding(), clipping=method)
+    model.compile(optimizer=dp.DPAdamBC(0.5, 1.0, learning_rate=1e-2, seed=5),
+                  loss=LOSS, jit_compile=True)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    weights[method] = [v.numpy() for v in model.trainable_variables]
+  for a, b in zip(weights["auto"], weights["vectorized"]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_clipping_plan_before_training_and_bad_method():
+  model = dp.make_private(_mlp())
+  model.compile(optimizer=dp.DPAdam(1.0, 1.0), loss=LOSS)
+  assert dp.clipping_plan(model) is None
+  x, y = _data(model, np.random.default_rng(13))
+  plan = dp.clipping_plan(model, x, y)
+  assert len(plan.entries) == 2 and plan.fallback is None
+  with pytest.raises(ValueError, match="clipping='fast'"):
+    dp.make_private(_mlp(), clipping="fast")

@@ -1,0 +1,204 @@
+"""Stage 1, fast path: per-unit gradient norms and clipped sums of linear layers
+from their inputs and output gradients (ghost clipping, book-keeping).
+
+A linear-type layer computes z = a W (+ b) at T positions per example (T = 1
+for a Dense on vectors; sequence steps; a convolution's output pixels, with
+``a`` its input patches; an embedding's tokens, with ``a`` one-hot rows).
+With δ = ∂L/∂z from one batched backward pass of L = Σ_u ℓ_u, unit u's weight
+gradient is ∇W_u = A_uᵀ Δ_u (A_u: [T, p], Δ_u: [T, d]). Its squared norm is
+
+    ‖A_uᵀΔ_u‖²_F = ‖a_u‖²·‖δ_u‖²                           (T = 1)
+                 = ⟨A_uA_uᵀ, Δ_uΔ_uᵀ⟩   (ghost norm, O(T²(p+d)))
+                 = Σ_{pd} (A_uᵀΔ_u)²    (materialized,  O(Tpd))
+
+(Goodfellow 2015; Li et al. 2022 "mixed ghost clipping" picks the cheaper of
+the last two per layer: 2T² vs pd). Once every unit's clip factor c_u is
+known, the clipped sum needs no second backward pass (Bu et al. 2023,
+"book-keeping"): Σ_u c_u ∇W_u = Aᵀ (c ⊙ Δ), one matrix product over the batch.
+
+Everything here is a pure function of tensors. A *unit* is an example or a
+microbatch of b examples: a microbatch's gradient is the sum of its examples'
+gradients, so its positions are simply its examples' positions concatenated
+(:func:`group_units` reshapes [B, T, ·] to [U, bT, ·]).
+
+Scale-then-privatize clips s ⊙ ∇W_u; for T = 1 the norm stays a product:
+‖s ⊙ (a_u δ_uᵀ)‖² = (a_u⊙a_u)ᵀ (s⊙s) (δ_u⊙δ_u) (Ganesh et al. 2025); for T > 1
+the per-unit gradients are materialized.
+"""
+import tensorflow as tf
+
+
+def group_units(t, num_microbatches=None):
+  """[B, ...middle, last] -> [U, T, last]: a unit's positions side by side.
+
+  ``num_microbatches=None``: one example per unit, T = the product of the
+  middle axes (static). Otherwise U = M microbatches of B/M examples each and
+  T = (B/M)·(middle). Rank 1 (e.g. token ids [B]) becomes [U, T].
+  """
+  t = tf.convert_to_tensor(t)
+  last = [] if t.shape.rank == 1 else [tf.shape(t)[-1]]
+  if num_microbatches is None:
+    middle = t.shape[1:t.shape.rank - len(last)]
+    if middle.is_fully_defined():  # keep T static: it picks the method
+      return tf.reshape(t, [-1, middle.num_elements()] + last)
+    return tf.reshape(t, [tf.shape(t)[0], -1] + last)
+  return tf.reshape(t, [num_microbatches, -1] + last)
+
+
+def per_unit_sum(t, num_microbatches=None):
+  """[B, ...] per-example values -> [U, ...] per-unit sums."""
+  if num_microbatches is None:
+    return t
+  return tf.reduce_sum(tf.reshape(
+      t, tf.concat([[num_microbatches, -1], tf.shape(t)[1:]], 0)), axis=1)
+
+
+def _sum_sq(t):
+  """Σ of squares over every axis but the first: [U, ...] -> [U]."""
+  return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), axis=1)
+
+
+def prefer_ghost(positions, fan_in, fan_out):
+  """Li et al.'s rule: ghost norm if 2T² < p·d (smaller work and memory)."""
+  return positions == 1 or 2 * positions * positions < fan_in * fan_out
+
+
+def linear_sq_norms(a, delta, scale=None):
+  """‖A_uᵀΔ_u‖²_F (or ‖s ⊙ A_uᵀΔ_u‖²_F) for every unit: [U, T, p], [U, T, d] -> [U].
+
+  The method is chosen from the static shapes (:func:`prefer_ghost`);
+  ``scale`` (shape [p, d]) forces materialization unless T = 1.
+  """
+  a, delta = tf.convert_to_tensor(a), tf.convert_to_tensor(delta)
+  positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
+  if positions == 1:
+    a, delta = a[:, 0], delta[:, 0]
+    if scale is None:
+      return _sum_sq(a) * _sum_sq(delta)
+    # (a⊙a)ᵀ (s⊙s) (δ⊙δ), one [U, p] x [p, d] product.
+    return tf.reduce_sum(
+        tf.matmul(tf.square(a), tf.square(tf.cast(scale, a.dtype)))
+        * tf.square(delta), axis=1)
+  if scale is None and positions is not None and prefer_ghost(
+      positions, fan_in, fan_out):
+    gram_a = tf.matmul(a, a, transpose_b=True)
+    gram_d = tf.matmul(delta, delta, transpose_b=True)
+    return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
+  grads = tf.einsum("utp,utd->upd", a, delta)
+  if scale is not None:
+    grads *= tf.cast(scale, grads.dtype)
+  return _sum_sq(grads)
+
+
+def linear_grad(a, delta, weights):
+  """Σ_u w_u A_uᵀΔ_u = Aᵀ(w ⊙ Δ): [U, T, p], [U, T, d], [U] -> [p, d].
+
+  Units with weight 0 add exactly 0, even if their a or δ are not finite.
+  """
+  weights = tf.convert_to_tensor(weights)
+  return tf.einsum("utp,utd->pd", masked(a, weights != 0),
+                   masked(delta, weights != 0) * weights[:, None, None])
+
+
+def broadcast_grads(delta, param_shape):
+  """Per-unit gradients of a parameter added with broadcasting (a bias).
+
+  ``delta``: [U, ...], the output gradient of z = x + b (b aligned to the
+  trailing axes, as in NumPy broadcasting). Returns [U, *param_shape]: δ
+  summed over the axes along which b is broadcast.
+  """
+  rank = delta.shape.rank - 1
+  full = [1] * (rank - len(param_shape)) + list(param_shape)
+  axes = [i + 1 for i, n in enumerate(full) if n == 1]
+  summed = tf.reduce_sum(delta, axis=axes) if axes else delta
+  return tf.reshape(summed, [-1] + list(param_shape))
+
+
+def weighted_sum(per_unit, weights):
+  """Σ_u w_u g_u of materialized per-unit values [U, ...] (0 where w_u = 0)."""
+  return tf.tensordot(weights, masked(per_unit, weights != 0), axes=1)
+
+
+def _segments(ids, delta):
+  """Σ of δ over each unit's equal ids: sort (unit, id) keys, sum runs.
+
+  Returns ``(sums [N, d], unit [N], id [N])`` with N = U·T slots, of which the
+  unused ones are zero (their unit/id are those of the slot's sorted key).
+  """
+  ids, delta = tf.convert_to_tensor(ids), tf.convert_to_tensor(delta)
+  num_units = tf.shape(ids)[0]
+  ids = tf.cast(ids, tf.int64)
+  units = tf.repeat(tf.range(tf.cast(num_units, tf.int64)), tf.shape(ids)[1])
+  flat_ids = tf.reshape(ids, [-1])
+  # Sort by (unit, id): ids are < 2**32 after the cast checks of Embedding.
+  keys = units * tf.constant(2**32, tf.int64) + flat_ids
+  order = tf.argsort(keys, stable=True)
+  sorted_keys = tf.gather(keys, order)
+  starts = tf.concat([[True], sorted_keys[1:] != sorted_keys[:-1]], 0)
+  segment = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+  rows = tf.gather(tf.reshape(delta, [-1, tf.shape(delta)[-1]]), order)
+  slots = tf.size(keys)
+  sums = tf.math.unsorted_segment_sum(rows, segment, slots)
+  first = tf.math.unsorted_segment_max(tf.range(slots), segment, slots)
+  first = tf.maximum(first, 0)  # empty slots: sums are 0, any key will do
+  key = tf.gather(sorted_keys, first)
+  return sums, key // 2**32, key % 2**32
+
+
+def embedding_sq_norms(ids, delta, scale=None):
+  """‖∇E_u‖²_F of an embedding lookup: ids [U, T], δ [U, T, d] -> [U].
+
+  Unit u's gradient has row Σ_{t: id_t = v} δ_t for every token v it uses;
+  the rows are formed by sorting (unit, id) keys, O(UT log UT + UTd), never
+  [U, vocab, d]. ``scale`` ([vocab, d]) weights row v by s_v.
+  """
+  sums, unit, token = _segments(ids, delta)
+  if scale is not None:
+    sums *= tf.gather(tf.cast(scale, sums.dtype), token)
+  return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), 1),
+                                      tf.cast(unit, tf.int32), tf.shape(ids)[0])
+
+
+def embedding_grad(ids, delta, weights, vocab_size):
+  """Σ_u w_u ∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
+  delta, weights = tf.convert_to_tensor(delta), tf.convert_to_tensor(weights)
+  weighted = masked(delta, weights != 0) * weights[:, None, None]
+  return tf.math.unsorted_segment_sum(
+      tf.reshape(weighted, [-1, tf.shape(delta)[-1]]),
+      tf.reshape(tf.cast(ids, tf.int32), [-1]), vocab_size)
+
+
+def conv_patches(x, kernel_size, strides, padding, dilation_rate):
+  """A convolution's input patches, the ``a`` of its linear form.
+
+  x: [B, *spatial, c] (channels last, 1 or 2 spatial axes). Returns
+  [B, T, prod(kernel_size)·c] with T the output positions, ordered like the
+  kernel reshaped to [prod(kernel_size)·c, filters]. ``padding``: "valid",
+  "same" or (1-D) "causal".
+  """
+  if len(kernel_size) == 1:  # a 1-D convolution is a 2-D one of height 1
+    if padding == "causal":
+      x = tf.pad(x, [[0, 0], [dilation_rate[0] * (kernel_size[0] - 1), 0],
+                     [0, 0]])
+      padding = "valid"
+    x = x[:, tf.newaxis]
+    kernel_size, strides, dilation_rate = ((1,) + tuple(kernel_size),
+                                           (1,) + tuple(strides),
+                                           (1,) + tuple(dilation_rate))
+  patches = tf.image.extract_patches(
+      x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
+      rates=[1, *dilation_rate, 1], padding=padding.upper())
+  positions = (patches.shape[1] * patches.shape[2]
+               if patches.shape[1:3].is_fully_defined() else -1)
+  return tf.reshape(patches, [tf.shape(x)[0], positions, patches.shape[-1]])
+
+
+def masked(t, keep):
+  """Zeroes the units where ``keep`` [U] is False, even where t is inf/nan.
+
+  A unit whose norm is not finite must add exactly zero; 0·nan is nan, so
+  multiplying by a zero clip factor alone would not do.
+  """
+  t = tf.convert_to_tensor(t)
+  return tf.math.multiply_no_nan(
+      t, tf.reshape(tf.cast(keep, t.dtype), [-1] + [1] * (t.shape.rank - 1)))
