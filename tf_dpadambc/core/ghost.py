@@ -100,6 +100,23 @@ def linear_grad(a, delta, weights):
                    masked(delta, weights != 0) * weights[:, None, None])
 
 
+def linear_square_sum(a, delta, weights):
+  """Σ_u w_u² (A_uᵀΔ_u)⊙(A_uᵀΔ_u) (joint moment estimation): -> [p, d].
+
+  For T = 1 a product, (a⊙a)ᵀ (w² ⊙ δ⊙δ) (Bu et al.'s book-keeping of
+  squares); otherwise the per-unit gradients are materialized.
+  """
+  a, delta = tf.convert_to_tensor(a), tf.convert_to_tensor(delta)
+  keep = weights != 0
+  a, delta = masked(a, keep), masked(delta, keep)
+  if a.shape[1] == 1:
+    return tf.matmul(tf.square(a[:, 0]),
+                     tf.square(delta[:, 0] * weights[:, None]),
+                     transpose_a=True)
+  return weighted_sum(tf.square(tf.einsum("utp,utd->upd", a, delta)),
+                      tf.square(weights))
+
+
 def broadcast_grads(delta, param_shape):
   """Per-unit gradients of a parameter added with broadcasting (a bias).
 
@@ -159,6 +176,15 @@ def embedding_sq_norms(ids, delta, scale=None):
                                       tf.cast(unit, tf.int32), tf.shape(ids)[0])
 
 
+def embedding_square_sum(ids, delta, weights, vocab_size):
+  """Σ_u w_u² ∇E_u⊙∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
+  weights = tf.convert_to_tensor(weights)
+  sums, unit, token = _segments(ids, masked(delta, weights != 0))
+  w = tf.gather(weights, tf.cast(unit, tf.int32))
+  return tf.math.unsorted_segment_sum(
+      tf.square(sums * w[:, None]), tf.cast(token, tf.int32), vocab_size)
+
+
 def embedding_grad(ids, delta, weights, vocab_size):
   """Σ_u w_u ∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
   delta, weights = tf.convert_to_tensor(delta), tf.convert_to_tensor(weights)
@@ -177,10 +203,7 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
   "same" or (1-D) "causal".
   """
   if len(kernel_size) == 1:  # a 1-D convolution is a 2-D one of height 1
-    if padding == "causal":
-      x = tf.pad(x, [[0, 0], [dilation_rate[0] * (kernel_size[0] - 1), 0],
-                     [0, 0]])
-      padding = "valid"
+    x, padding = _causal(x, kernel_size, padding, dilation_rate)
     x = x[:, tf.newaxis]
     kernel_size, strides, dilation_rate = ((1,) + tuple(kernel_size),
                                            (1,) + tuple(strides),
@@ -191,6 +214,38 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
   positions = (patches.shape[1] * patches.shape[2]
                if patches.shape[1:3].is_fully_defined() else -1)
   return tf.reshape(patches, [tf.shape(x)[0], positions, patches.shape[-1]])
+
+
+def _causal(x, kernel_size, padding, dilation_rate):
+  """(x, padding) with a 1-D causal padding made explicit."""
+  if padding == "causal":
+    x = tf.pad(x, [[0, 0], [dilation_rate[0] * (kernel_size[0] - 1), 0],
+                   [0, 0]])
+    padding = "valid"
+  return x, padding
+
+
+def conv_grad(x, delta, weights, kernel_shape, strides, padding,
+              dilation_rate):
+  """Σ_u w_u ∇K_u of a convolution (channels last), by its own backward op.
+
+  The book-kept sum Σ_u w_u A_uᵀΔ_u is the filter gradient of the batch with
+  output gradient w ⊙ δ: TensorFlow's Conv*DBackpropFilter computes it
+  without forming the patches. ``delta``: [U, ...output], one row per unit
+  (per example: microbatches are weighted by repeating their weight).
+  """
+  keep = weights != 0
+  x = masked(x, keep)
+  delta = masked(delta, keep) * tf.reshape(
+      weights, [-1] + [1] * (delta.shape.rank - 1))
+  x, padding = _causal(x, kernel_shape[:-2], padding, dilation_rate)
+  kernel = tf.zeros(kernel_shape, x.dtype)
+  with tf.GradientTape() as tape:
+    tape.watch(kernel)
+    z = tf.nn.convolution(x, kernel, strides=list(strides),
+                          padding=padding.upper(),
+                          dilations=list(dilation_rate))
+  return tape.gradient(z, kernel, output_gradients=delta)
 
 
 def masked(t, keep):

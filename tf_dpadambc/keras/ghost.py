@@ -104,6 +104,10 @@ class _Rule:
     """Σ_u w_u ∇_v ℓ_u per variable (``weights``: one [U] per variable)."""
     raise NotImplementedError
 
+  def square_sums(self, deltas, num_microbatches, weights):
+    """Σ_u w_u² ∇_v ℓ_u ⊙ ∇_v ℓ_u per variable (joint moment estimation)."""
+    raise NotImplementedError
+
 
 class _Linear(_Rule):
   """z = a K (+ b) at T positions: Dense, EinsumDense, convolutions."""
@@ -155,6 +159,16 @@ class _Linear(_Rule):
           self._unit_bias_grads(deltas, num_microbatches), weights[1]))
     return grads
 
+  def square_sums(self, deltas, num_microbatches, weights):
+    a, d = self._ad(deltas, num_microbatches)
+    squares = [self.kernel_shape_grad(
+        ghost.linear_square_sum(a, d, weights[0]))]
+    if len(self.variables) > 1:
+      squares.append(ghost.weighted_sum(tf.square(
+          self._unit_bias_grads(deltas, num_microbatches)),
+                                        tf.square(weights[1])))
+    return squares
+
   def plan(self, num_microbatches):
     a, _ = self._ad([c.z for c in self.calls], num_microbatches)
     positions = a.shape[1]
@@ -182,6 +196,22 @@ class _Conv(_Linear):
     a = ghost.conv_patches(call.inputs, layer.kernel_size, layer.strides,
                            layer.padding, layer.dilation_rate)
     return a, _flatten_positions(delta)
+
+  def grads(self, deltas, num_microbatches, weights):
+    # The kernel's sum by the convolution's own filter-gradient op: no
+    # patches. Microbatch weights are repeated for their examples.
+    layer = self.layer
+    per_example = [weights[0] if num_microbatches is None else tf.repeat(
+        weights[0], tf.shape(c.inputs)[0] // num_microbatches)
+                   for c in self.calls]
+    kernel = tf.add_n([ghost.conv_grad(
+        c.inputs, d, w, layer.kernel.shape, layer.strides, layer.padding,
+        layer.dilation_rate) for c, d, w in zip(self.calls, deltas, per_example)])
+    grads = [kernel]
+    if len(self.variables) > 1:
+      grads.append(ghost.weighted_sum(
+          self._unit_bias_grads(deltas, num_microbatches), weights[1]))
+    return grads
 
 
 class _EinsumDense(_Linear):
@@ -280,6 +310,11 @@ class _Embedding(_Rule):
     return [ghost.embedding_grad(ids, d, weights[0],
                                  self.layer.embeddings.shape[0])]
 
+  def square_sums(self, deltas, num_microbatches, weights):
+    ids, d = self._ids_deltas(deltas, num_microbatches)
+    return [ghost.embedding_square_sum(ids, d, weights[0],
+                                       self.layer.embeddings.shape[0])]
+
   def plan(self, num_microbatches):
     return "row sums of δ per unit (sorted ids)"
 
@@ -298,6 +333,10 @@ class _Materialized(_Rule):
 
   def grads(self, deltas, num_microbatches, weights):
     return [ghost.weighted_sum(g, w) for g, w in
+            zip(self._unit_grads(deltas, num_microbatches), weights)]
+
+  def square_sums(self, deltas, num_microbatches, weights):
+    return [ghost.weighted_sum(tf.square(g), tf.square(w)) for g, w in
             zip(self._unit_grads(deltas, num_microbatches), weights)]
 
 
@@ -536,8 +575,7 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
     x: the batch's inputs.
     unit_losses_fn: ``y_pred -> [U]``, the units' losses from the batched
       predictions (sample weights applied, examples grouped in units).
-    spec: a :class:`~tf_dpadambc.core.clipping.ClipSpec` without a sum of
-      squares.
+    spec: a :class:`~tf_dpadambc.core.clipping.ClipSpec`.
     num_microbatches: None (every example is a unit) or M, the number of
       equal microbatches.
 
@@ -545,14 +583,16 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
     ``(ClippedSum, unit_losses, y_pred, plan)``. ``ClippedSum.mismatch`` is
     left False; the caller checks that examples do not mix.
   """
-  if spec.square_sum:
-    raise Unsupported("joint moment estimation needs Σ clip(g_u)², which "
-                      "needs materialized per-unit gradients")
   if model.dtype_policy.quantization_mode is not None or getattr(
       model, "_remat_mode", None) is not None:
     raise Unsupported("the model is quantized or rematerialized")
   mapping = (list(zip(model.trainable_variables, params))
              + list(zip(model.non_trainable_variables, non_trainable)))
+  # The same values with the batch axis unknown to the tracer: every tensor
+  # computed per example then has an unknown first axis, so a layer called
+  # on something else (position ids from a range, a constant) is caught.
+  x = tf.nest.map_structure(lambda t: tf.raw_ops.PlaceholderWithDefault(
+      input=t, shape=[None] + tf.convert_to_tensor(t).shape[1:]), x)
   with tf.GradientTape() as tape:
     recorder = _Recorder(model, params, tape)
     with recorder, _TrackingScope(mapping, recorder.on_read) as scope:
@@ -562,6 +602,14 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
       raise Unsupported("the model adds losses (regularizers or add_loss)")
     if recorder.problem:
       raise Unsupported(recorder.problem)
+    for rule in recorder.rules:
+      for call in rule.calls:
+        if call.inputs.shape.rank == 0 or call.z.shape.rank == 0 or (
+            call.inputs.shape[0] is not None or call.z.shape[0] is not None):
+          raise Unsupported(
+              f"layer '{rule.layer.name}' is called on a tensor without the "
+              "batch axis (e.g. position ids from a range): its gradient "
+              "cannot be split by example")
     unit_losses = unit_losses_fn(y_pred)
     total = tf.reduce_sum(unit_losses)
   rules = recorder.rules
@@ -602,21 +650,28 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
                for s, c in zip(sq, spec.layer_clips)]
     was_clipped = tf.reduce_any(tf.stack([w < 1.0 for w in weights]), 0)
 
-  grads = [tf.zeros_like(p) for p in params]
-  for rule, d in zip(rules, deltas):
-    if not rule.calls:
-      continue
-    positions = [index[id(v)] for v in rule.variables]
-    for i, g in zip(positions, rule.grads(d, num_microbatches,
-                                          [weights[i] for i in positions])):
-      grads[i] = tf.cast(g, params[i].dtype)
+  def collect(method):
+    out = [tf.zeros_like(p) for p in params]
+    for rule, d in zip(rules, deltas):
+      if rule.calls:
+        positions = [index[id(v)] for v in rule.variables]
+        values = getattr(rule, method)(d, num_microbatches,
+                                       [weights[i] for i in positions])
+        for i, g in zip(positions, values):
+          out[i] = tf.cast(g, params[i].dtype)
+    return out
+  grads = collect("grads")
+  squares = collect("square_sums") if spec.square_sum else None
   if scales is not None:  # Σ_u c_u s⊙g_u = s⊙Σ_u c_u g_u
-    grads = [g * tf.cast(s, g.dtype) for g, s in zip(grads, scales)]
+    scales = [tf.cast(s, g.dtype) for g, s in zip(grads, scales)]
+    grads = [g * s for g, s in zip(grads, scales)]
+    if squares is not None:
+      squares = [q * s * s for q, s in zip(squares, scales)]
   plan = ClippingPlan(
       PlanEntry(rule.layer.name, type(rule.layer).__name__,
                 rule.plan(num_microbatches) if rule.calls else "not called")
       for rule in rules)
   result = clipping.ClippedSum(
       grads, norms, tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32)),
-      tf.reduce_sum(tf.cast(~ok, tf.int32)), tf.constant(False))
+      tf.reduce_sum(tf.cast(~ok, tf.int32)), tf.constant(False), squares)
   return result, unit_losses, y_pred, plan

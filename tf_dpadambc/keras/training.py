@@ -178,8 +178,11 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
         alone, _ = unit_loss_fn(
             params, tf.nest.map_structure(lambda t, i=i: t[i], units))
         same &= tf.abs(unit_losses[i] - alone) <= 1e-4 * tf.abs(alone) + 1e-6
-      grads = [tf.where(same, g, tf.zeros_like(g)) for g in result.grads]
-      return result._replace(grads=grads, mismatch=~same), unit_losses, y_pred
+      zeroed = lambda ts: ts if ts is None else [  # noqa: E731
+          tf.where(same, t, tf.zeros_like(t)) for t in ts]
+      return result._replace(
+          grads=zeroed(result.grads), square_grads=zeroed(result.square_grads),
+          mismatch=~same), unit_losses, y_pred
   if method == "ghost":
     raise ValueError(f"clipping='ghost' is not possible: {reason}. Use "
                      "clipping='auto' or 'vectorized'.")
