@@ -508,7 +508,7 @@ class _Recorder:
       original = layer.call
       rule = _rule_for(layer, original, self.values)
       self.rules.append(rule)
-      self._originals.append((layer, original))
+      self._originals.append((layer, original, layer.__dict__.get("call")))
     missing = [v.path for v in trainable if id(v) not in self.owner]
     if missing:
       raise Unsupported(f"variables {missing} belong to no layer")
@@ -555,13 +555,16 @@ class _Recorder:
     return call
 
   def __enter__(self):
-    for rule, (layer, original) in zip(self.rules, self._originals):
+    for rule, (layer, original, _) in zip(self.rules, self._originals):
       object.__setattr__(layer, "call", self._wrap(rule, original))
     return self
 
   def __exit__(self, *exc):
-    for layer, _ in self._originals:
-      del layer.__dict__["call"]
+    for layer, _, own in self._originals:  # restore an instance's own call
+      if own is None:
+        del layer.__dict__["call"]
+      else:
+        object.__setattr__(layer, "call", own)
 
 
 def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,

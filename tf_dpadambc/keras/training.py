@@ -198,8 +198,11 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
 
 
 def _record_plan(model, plan):
-  """Keeps the plan for clipping_plan(); logs fallbacks once per trace."""
+  """Keeps the plan for clipping_plan(); logs fallbacks when the plan changes."""
+  previous = getattr(model, _PLAN, None)
   object.__setattr__(model, _PLAN, plan)
+  if previous is not None and str(previous) == str(plan):
+    return
   if plan.fallback and not plan.fallback.endswith("was chosen"):
     logging.getLogger(__name__).warning(
         "Model '%s': no ghost clipping, because %s; clipping uses vectorized "
