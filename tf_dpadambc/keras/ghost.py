@@ -322,22 +322,30 @@ class _Embedding(_Rule):
 class _Materialized(_Rule):
   """A rule that materializes per-unit gradients of the layer's weights."""
 
+  _cache = None
+
   def _unit_grads(self, deltas, num_microbatches):
     """One [U, *v.shape] tensor per variable."""
     raise NotImplementedError
 
+  def _per_unit(self, deltas, num_microbatches):
+    # Norms and sums use the same per-unit gradients: build them once.
+    if self._cache is None or self._cache[0] is not deltas:
+      self._cache = deltas, self._unit_grads(deltas, num_microbatches)
+    return self._cache[1]
+
   def sq_norms(self, deltas, num_microbatches, scales):
     return [_sum_sq(g if s is None else g * tf.cast(s, g.dtype)[None])
-            for g, s in zip(self._unit_grads(deltas, num_microbatches),
+            for g, s in zip(self._per_unit(deltas, num_microbatches),
                             scales)]
 
   def grads(self, deltas, num_microbatches, weights):
     return [ghost.weighted_sum(g, w) for g, w in
-            zip(self._unit_grads(deltas, num_microbatches), weights)]
+            zip(self._per_unit(deltas, num_microbatches), weights)]
 
   def square_sums(self, deltas, num_microbatches, weights):
     return [ghost.weighted_sum(tf.square(g), tf.square(w)) for g, w in
-            zip(self._unit_grads(deltas, num_microbatches), weights)]
+            zip(self._per_unit(deltas, num_microbatches), weights)]
 
 
 class _Normalization(_Materialized):
@@ -369,8 +377,8 @@ class _Normalization(_Materialized):
 
   def _unit_grads(self, deltas, num_microbatches):
     layer = self.layer
-    neutral = [(v, tf.ones_like(v.value) if v is layer.gamma else
-                tf.zeros_like(v.value)) for v in self.variables]
+    neutral = [(v, (tf.ones if v is layer.gamma else tf.zeros)(v.shape, v.dtype))
+               for v in self.variables]
     total = None
     for call, delta in zip(self.calls, deltas):
       with keras.StatelessScope(neutral, initialize_variables=False):
@@ -380,15 +388,6 @@ class _Normalization(_Materialized):
                                   num_microbatches) for v in self.variables]
       total = grads if total is None else [a + b for a, b in zip(total, grads)]
     return total
-
-  def sq_norms(self, deltas, num_microbatches, scales):
-    return [_sum_sq(g if s is None else g * tf.cast(s, g.dtype)[None])
-            for g, s in zip(self._unit_grads(deltas, num_microbatches),
-                            scales)]
-
-  def grads(self, deltas, num_microbatches, weights):
-    return [ghost.weighted_sum(g, w) for g, w in
-            zip(self._unit_grads(deltas, num_microbatches), weights)]
 
   def plan(self, num_microbatches):
     return "materialized per unit (x̂ recomputed; 2d numbers per unit)"
