@@ -402,3 +402,12 @@ def test_clipping_plan_before_training_and_bad_method():
   assert len(plan.entries) == 2 and plan.fallback is None
   with pytest.raises(ValueError, match="clipping='fast'"):
     dp.make_private(_mlp(), clipping="fast")
+
+
+def test_vectorized_path_refuses_einsum_layers():
+  # tf.vectorized_map gets EinsumDense wrong (and MultiHeadAttention crashed).
+  model = _einsum()
+  x, y = _data(model, np.random.default_rng(16))
+  with pytest.raises(ValueError, match="EinsumDense / MultiHeadAttention"):
+    ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None,
+              method="vectorized")

@@ -188,6 +188,7 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
                      "clipping='auto' or 'vectorized'.")
   if reason is None:
     reason = "clipping='vectorized' was chosen"
+  _refuse_unvectorizable(model, reason)
   _record_plan(model, ghost.ClippingPlan(fallback=reason))
   reweight = (example_loss is not None and not extra_losses
               and not _compat.seed_generators(model))
@@ -195,6 +196,25 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
       unit_loss_fn, batch_unit_losses_fn if reweight else None, params, units,
       spec)
   return result, unit_losses, per_example.merge_microbatches(y_pred)
+
+
+def _refuse_unvectorizable(model, reason):
+  """EinsumDense under tf.vectorized_map is wrong in TensorFlow 2.21.
+
+  Per-unit losses came out different from the batched ones (every step then
+  releases noise only), and with MultiHeadAttention the process crashed with
+  heap corruption. Refuse before that, and say what to do.
+  """
+  bad = [layer.name for layer in _compat.flatten_layers(model)
+         if isinstance(layer, (keras.layers.EinsumDense,
+                               keras.layers.MultiHeadAttention))]
+  if bad:
+    raise ValueError(
+        f"Layers {bad} (EinsumDense / MultiHeadAttention) cannot use "
+        "vectorized per-unit gradients: tf.vectorized_map computes them "
+        "wrongly in this TensorFlow. Ghost clipping handles them, but it is "
+        f"not possible for this model because {reason}. Use "
+        "clipping='auto' and remove that obstacle.")
 
 
 def _record_plan(model, plan):
