@@ -5,13 +5,15 @@
 
 Synthetic data with the shapes of the performance note: the MLP 784-128-10
 and TF-Privacy's tutorial MNIST CNN (conv 16 8x8/2, conv 32 4x4/2, dense 32,
-dense 10). Each configuration trains with ``model.fit`` (XLA, the same input
+dense 10; builders in bench_models.py, shared with suite.py, the
+fuller benchmark). Each configuration trains with ``model.fit`` (XLA, the same input
 pipeline); epochs after the first are timed, so compilation is
 excluded; each figure is the best of three epochs. Ratios are DP /
 non-private measured in the same run.
 """
 import argparse
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -21,25 +23,16 @@ import numpy as np  # noqa: E402
 
 import tf_dpadambc as dp  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_models  # noqa: E402  (shared with suite.py)
+
 
 def mlp():
-  return keras.Sequential([
-      keras.Input((784,)), keras.layers.Dense(128, activation="relu"),
-      keras.layers.Dense(10)])
+  return bench_models.mlp(keras)
 
 
 def mnist_cnn():
-  return keras.Sequential([
-      keras.Input((28, 28, 1)),
-      keras.layers.Conv2D(16, 8, strides=2, padding="same",
-                          activation="relu"),
-      keras.layers.MaxPool2D(2, 1),
-      keras.layers.Conv2D(32, 4, strides=2, padding="valid",
-                          activation="relu"),
-      keras.layers.MaxPool2D(2, 1),
-      keras.layers.Flatten(),
-      keras.layers.Dense(32, activation="relu"),
-      keras.layers.Dense(10)])
+  return bench_models.mnist_cnn(keras)
 
 
 MODELS = {"mlp_784_128_10": (mlp, (784,)),
