@@ -371,7 +371,7 @@ def test_core_rules_against_numpy():
   for u in range(2):
     for t in range(3):
       rows[u, ids[u, t]] += dd[u, t]
-  np.testing.assert_allclose(ghost.embedding_sq_norms(ids, dd),
+  np.testing.assert_allclose(ghost.embedding_sq_norms(ids, dd, 5),
                              np.sum(rows**2, axis=(1, 2)), rtol=1e-5)
   np.testing.assert_allclose(ghost.embedding_grad(ids, dd, np.ones(2, "float32"), 5),
                              rows.sum(0), rtol=1e-5)

@@ -136,51 +136,57 @@ def weighted_sum(per_unit, weights):
   return tf.tensordot(weights, masked(per_unit, weights != 0), axes=1)
 
 
-def _segments(ids, delta):
-  """Σ of δ over each unit's equal ids: sort (unit, id) keys, sum runs.
+def _segments(ids, delta, vocab_size):
+  """Σ of δ over each unit's equal ids, by sorting every unit's ids.
 
-  Returns ``(sums [N, d], unit [N], id [N])`` with N = U·T slots, of which the
-  unused ones are zero (their unit/id are those of the slot's sorted key).
+  Each row of ids is sorted on its own (keys id·T + t, int32 where they fit),
+  δ is gathered in that order, and runs of equal ids are summed. Returns
+  ``(sums [U·T, d], unit [U·T], id [U·T])``: one slot per position, of which
+  the unused ones are zero.
   """
   ids, delta = tf.convert_to_tensor(ids), tf.convert_to_tensor(delta)
-  num_units = tf.shape(ids)[0]
-  ids = tf.cast(ids, tf.int64)
-  units = tf.repeat(tf.range(tf.cast(num_units, tf.int64)), tf.shape(ids)[1])
-  flat_ids = tf.reshape(ids, [-1])
-  # Sort by (unit, id): ids are < 2**32 after the cast checks of Embedding.
-  keys = units * tf.constant(2**32, tf.int64) + flat_ids
-  order = tf.argsort(keys, stable=True)
-  sorted_keys = tf.gather(keys, order)
-  starts = tf.concat([[True], sorted_keys[1:] != sorted_keys[:-1]], 0)
-  segment = tf.cumsum(tf.cast(starts, tf.int32)) - 1
-  rows = tf.gather(tf.reshape(delta, [-1, tf.shape(delta)[-1]]), order)
-  slots = tf.size(keys)
-  sums = tf.math.unsorted_segment_sum(rows, segment, slots)
-  first = tf.math.unsorted_segment_max(tf.range(slots), segment, slots)
-  first = tf.maximum(first, 0)  # empty slots: sums are 0, any key will do
-  key = tf.gather(sorted_keys, first)
-  return sums, key // 2**32, key % 2**32
+  num_units, length = tf.shape(ids)[0], tf.shape(ids)[1]
+  static_length = ids.shape[1]
+  wide = static_length is None or vocab_size * static_length >= 2**31
+  key_dtype = tf.int64 if wide else tf.int32
+  length_k = tf.cast(length, key_dtype)
+  keys = tf.sort(tf.cast(ids, key_dtype) * length_k
+                 + tf.range(length_k, dtype=key_dtype)[None], axis=1)
+  order, sorted_ids = keys % length_k, keys // length_k
+  rows = tf.gather(delta, tf.cast(order, tf.int32), batch_dims=1)
+  starts = tf.concat([tf.ones_like(sorted_ids[:, :1], tf.bool),
+                      sorted_ids[:, 1:] != sorted_ids[:, :-1]], 1)
+  run = tf.cumsum(tf.cast(starts, tf.int32), axis=1) - 1
+  slots = num_units * length
+  segment = tf.reshape(run + tf.range(num_units)[:, None] * length, [-1])
+  sums = tf.math.unsorted_segment_sum(
+      tf.reshape(rows, [-1, tf.shape(delta)[-1]]), segment, slots)
+  token = tf.maximum(tf.math.unsorted_segment_max(
+      tf.reshape(sorted_ids, [-1]), segment, slots), 0)
+  unit = tf.repeat(tf.range(num_units), length)
+  return sums, unit, token
 
 
-def embedding_sq_norms(ids, delta, scale=None):
+def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   """‖∇E_u‖²_F of an embedding lookup: ids [U, T], δ [U, T, d] -> [U].
 
   Unit u's gradient has row Σ_{t: id_t = v} δ_t for every token v it uses;
-  the rows are formed by sorting (unit, id) keys, O(UT log UT + UTd), never
+  the rows are formed by sorting each unit's ids, O(UT log T + UTd), never
   [U, vocab, d]. ``scale`` ([vocab, d]) weights row v by s_v.
   """
-  sums, unit, token = _segments(ids, delta)
+  sums, _, token = _segments(ids, delta, vocab_size)
   if scale is not None:
     sums *= tf.gather(tf.cast(scale, sums.dtype), token)
-  return tf.math.unsorted_segment_sum(tf.reduce_sum(tf.square(sums), 1),
-                                      tf.cast(unit, tf.int32), tf.shape(ids)[0])
+  # Slots are laid out unit by unit, T per unit.
+  return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
+                                  tf.shape(ids)[:2]), 1)
 
 
 def embedding_square_sum(ids, delta, weights, vocab_size):
   """Σ_u w_u² ∇E_u⊙∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
   weights = tf.convert_to_tensor(weights)
-  sums, unit, token = _segments(ids, masked(delta, weights != 0))
-  w = tf.gather(weights, tf.cast(unit, tf.int32))
+  sums, unit, token = _segments(ids, masked(delta, weights != 0), vocab_size)
+  w = tf.gather(weights, unit)
   return tf.math.unsorted_segment_sum(
       tf.square(sums * w[:, None]), tf.cast(token, tf.int32), vocab_size)
 

@@ -303,7 +303,8 @@ class _Embedding(_Rule):
 
   def sq_norms(self, deltas, num_microbatches, scales):
     ids, d = self._ids_deltas(deltas, num_microbatches)
-    return [ghost.embedding_sq_norms(ids, d, scales[0])]
+    return [ghost.embedding_sq_norms(ids, d, self.layer.embeddings.shape[0],
+                                     scales[0])]
 
   def grads(self, deltas, num_microbatches, weights):
     ids, d = self._ids_deltas(deltas, num_microbatches)
