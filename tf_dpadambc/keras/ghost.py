@@ -116,8 +116,8 @@ class _Linear(_Rule):
     super().__init__(layer)
     self.variables = [layer.kernel] + ([layer.bias] if _has_bias(layer) else [])
 
-  def features(self, call):
-    """(a [B, T, p], δ-layout function) of one call."""
+  def features(self, call, delta):
+    """(a [B, T, p], δ [B, T, d]) of one call: its linear form's two sides."""
     raise NotImplementedError
 
   def _ad(self, deltas, num_microbatches):
