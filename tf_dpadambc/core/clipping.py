@@ -243,9 +243,7 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
   indices = tf.where(ok, positions, stand_in)
   grads, batch_losses = reweighted_gradient(
       lambda p: batch_unit_losses_fn(p, indices), params, factors)
-  expected = tf.gather(losses, indices)
-  same = tf.reduce_all(tf.abs(batch_losses - expected)
-                       <= rtol * tf.abs(expected) + 1e-6)
+  same = losses_agree(batch_losses, tf.gather(losses, indices), rtol)
   # Every unit non-finite: the stand-in is non-finite too; the sum is zero.
   use = same & tf.reduce_any(ok)
   grads = [tf.where(use, g, tf.zeros_like(g)) for g in grads]
@@ -253,6 +251,18 @@ def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
     grads = [g * tf.cast(s, g.dtype) for g, s in zip(grads, spec.scale)]
   return (_summary(grads, norms, factors < 1.0, ok, mismatch=~same), losses,
           aux)
+
+
+def losses_agree(batch_losses, unit_losses, rtol=1e-4):
+  """True if a batched pass gave every unit the loss it gets alone.
+
+  Relative tolerance ``rtol`` (plus 1e-6); a loss that is not finite in both
+  passes agrees (its unit is zeroed anyway).
+  """
+  close = tf.abs(batch_losses - unit_losses) <= rtol * tf.abs(unit_losses) + 1e-6
+  both_nonfinite = ~tf.math.is_finite(batch_losses) & ~tf.math.is_finite(
+      unit_losses)
+  return tf.reduce_all(close | both_nonfinite)
 
 
 def _materialized(unit_loss_fn, params, units, spec):

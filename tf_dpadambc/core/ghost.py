@@ -53,7 +53,7 @@ def per_unit_sum(t, num_microbatches=None):
       t, tf.concat([[num_microbatches, -1], tf.shape(t)[1:]], 0)), axis=1)
 
 
-def _sum_sq(t):
+def sum_squares(t):
   """Σ of squares over every axis but the first: [U, ...] -> [U]."""
   return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), axis=1)
 
@@ -74,7 +74,7 @@ def linear_sq_norms(a, delta, scale=None):
   if positions == 1:
     a, delta = a[:, 0], delta[:, 0]
     if scale is None:
-      return _sum_sq(a) * _sum_sq(delta)
+      return sum_squares(a) * sum_squares(delta)
     # (a⊙a)ᵀ (s⊙s) (δ⊙δ), one [U, p] x [p, d] product.
     return tf.reduce_sum(
         tf.matmul(tf.square(a), tf.square(tf.cast(scale, a.dtype)))
@@ -87,7 +87,7 @@ def linear_sq_norms(a, delta, scale=None):
   grads = tf.einsum("utp,utd->upd", a, delta)
   if scale is not None:
     grads *= tf.cast(scale, grads.dtype)
-  return _sum_sq(grads)
+  return sum_squares(grads)
 
 
 def linear_grad(a, delta, weights):

@@ -148,12 +148,16 @@ class _Linear(_Rule):
       g = self._unit_bias_grads(deltas, num_microbatches)
       if scales[1] is not None:
         g *= tf.cast(scales[1], g.dtype)
-      norms.append(_sum_sq(g))
+      norms.append(ghost.sum_squares(g))
     return norms
 
-  def grads(self, deltas, num_microbatches, weights):
+  def kernel_sum(self, deltas, num_microbatches, weights):
+    """Σ_u w_u ∇K_u, book-kept from (a, δ)."""
     a, d = self._ad(deltas, num_microbatches)
-    grads = [self.kernel_shape_grad(ghost.linear_grad(a, d, weights[0]))]
+    return self.kernel_shape_grad(ghost.linear_grad(a, d, weights))
+
+  def grads(self, deltas, num_microbatches, weights):
+    grads = [self.kernel_sum(deltas, num_microbatches, weights[0])]
     if len(self.variables) > 1:
       grads.append(ghost.weighted_sum(
           self._unit_bias_grads(deltas, num_microbatches), weights[1]))
@@ -197,21 +201,15 @@ class _Conv(_Linear):
                            layer.padding, layer.dilation_rate)
     return a, _flatten_positions(delta)
 
-  def grads(self, deltas, num_microbatches, weights):
-    # The kernel's sum by the convolution's own filter-gradient op: no
-    # patches. Microbatch weights are repeated for their examples.
+  def kernel_sum(self, deltas, num_microbatches, weights):
+    # By the convolution's own filter-gradient op: no patches. Microbatch
+    # weights are repeated for their examples.
     layer = self.layer
-    per_example = [weights[0] if num_microbatches is None else tf.repeat(
-        weights[0], tf.shape(c.inputs)[0] // num_microbatches)
-                   for c in self.calls]
-    kernel = tf.add_n([ghost.conv_grad(
-        c.inputs, d, w, layer.kernel.shape, layer.strides, layer.padding,
-        layer.dilation_rate) for c, d, w in zip(self.calls, deltas, per_example)])
-    grads = [kernel]
-    if len(self.variables) > 1:
-      grads.append(ghost.weighted_sum(
-          self._unit_bias_grads(deltas, num_microbatches), weights[1]))
-    return grads
+    return tf.add_n([ghost.conv_grad(
+        c.inputs, d, weights if num_microbatches is None else tf.repeat(
+            weights, tf.shape(c.inputs)[0] // num_microbatches),
+        layer.kernel.shape, layer.strides, layer.padding, layer.dilation_rate)
+                     for c, d in zip(self.calls, deltas)])
 
 
 class _EinsumDense(_Linear):
@@ -336,7 +334,7 @@ class _Materialized(_Rule):
     return self._cache[1]
 
   def sq_norms(self, deltas, num_microbatches, scales):
-    return [_sum_sq(g if s is None else g * tf.cast(s, g.dtype)[None])
+    return [ghost.sum_squares(g if s is None else g * tf.cast(s, g.dtype)[None])
             for g, s in zip(self._per_unit(deltas, num_microbatches),
                             scales)]
 
@@ -433,10 +431,6 @@ class _PerLayer(_Materialized):
 
   def plan(self, num_microbatches):
     return "per-layer vectorized per-unit gradients (no ghost rule)"
-
-
-def _sum_sq(t):
-  return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), 1)
 
 
 def _has_bias(layer):

@@ -136,13 +136,16 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   units = per_example.split_microbatches((x, y, sample_weight),
                                          num_microbatches)
 
+  def grouped_losses(y_true, y_pred, uw):
+    """[U] unit losses from a batched pass: weighted means over each unit."""
+    values = _per_example_values(example_loss, y_true, y_pred)
+    values = tf.reshape(values, tf.shape(uw)) * tf.cast(uw, values.dtype)
+    return tf.reduce_mean(values, axis=1)
+
   def batch_unit_losses_fn(params, indices):
     ux, uy, uw = tf.nest.map_structure(lambda t: tf.gather(t, indices), units)
     y_pred, _ = forward(params, per_example.merge_microbatches(ux))
-    values = _per_example_values(
-        example_loss, per_example.merge_microbatches(uy), y_pred)
-    values = tf.reshape(values, tf.shape(uw)) * tf.cast(uw, values.dtype)
-    return tf.reduce_mean(values, axis=1)
+    return grouped_losses(per_example.merge_microbatches(uy), y_pred, uw)
 
   # Both fast paths are exact only if the batched forward pass gives every
   # unit the loss the per-unit pass gives it. Known exceptions (add_loss /
@@ -157,14 +160,10 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   elif extra_losses:
     reason = "the model adds losses (regularizers or add_loss)"
   elif method != "vectorized":
-    def batch_unit_losses(y_pred):
-      values = _per_example_values(example_loss, y, y_pred)
-      uw = units[2]
-      values = tf.reshape(values, tf.shape(uw)) * tf.cast(uw, values.dtype)
-      return tf.reduce_mean(values, axis=1)
     try:
       result, unit_losses, y_pred, plan = ghost.clipped_sum(
-          model, params, non_trainable, x, batch_unit_losses, spec,
+          model, params, non_trainable, x,
+          lambda y_pred: grouped_losses(y, y_pred, units[2]), spec,
           num_microbatches)
     except ghost.Unsupported as e:
       reason = str(e)
@@ -173,11 +172,11 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
       # Examples must not mix: the first unit (and, without randomness, the
       # last) evaluated alone must get the loss it got in the batch.
       checks = [0] if _compat.seed_generators(model) else [0, -1]
-      same = tf.constant(True)
-      for i in checks:
-        alone, _ = unit_loss_fn(
-            params, tf.nest.map_structure(lambda t, i=i: t[i], units))
-        same &= tf.abs(unit_losses[i] - alone) <= 1e-4 * tf.abs(alone) + 1e-6
+      alone = tf.stack([unit_loss_fn(
+          params, tf.nest.map_structure(lambda t, i=i: t[i], units))[0]
+                        for i in checks])
+      same = clipping.losses_agree(
+          tf.stack([unit_losses[i] for i in checks]), alone)
       zeroed = lambda ts: ts if ts is None else [  # noqa: E731
           tf.where(same, t, tf.zeros_like(t)) for t in ts]
       return result._replace(
