@@ -7,8 +7,38 @@ import tensorflow as tf
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 
 
+def run_sampling(optimizer, sampling=None):
+  """The sampling whose ε holds for the run of ``optimizer``.
+
+  ``"poisson"`` when it was built with ``expected_batch_size`` (batches from
+  ``data.poisson_batches``), else ``"shuffle"`` (fixed-size batches, each
+  example once per epoch). An explicit ``sampling`` must agree: the Poisson ε
+  of a run on fixed-size batches, or the once-per-epoch ε of a Poisson run,
+  would not be that run's guarantee (ValueError). Other values (``"cyclic"``
+  with correlated noise) pass through to ``dp_event``.
+  """
+  poisson = getattr(optimizer, "expected_batch_size", None) is not None
+  if sampling is None:
+    return "poisson" if poisson else "shuffle"
+  if poisson and sampling != "poisson":
+    raise ValueError(
+        f"sampling={sampling!r}, but {optimizer.name} takes Poisson-sampled "
+        "batches (expected_batch_size): an example can be in several steps "
+        "of an epoch, so only the Poisson ε holds. Use sampling='poisson' "
+        "or leave it None.")
+  if not poisson and sampling == "poisson":
+    raise ValueError(
+        f"sampling='poisson', but {optimizer.name} has no "
+        "expected_batch_size: its batches are fixed-size (model.fit's "
+        "batch_size), for which the Poisson ε does not hold. Train on "
+        "tf_dpadambc.data.poisson_batches(x, y, expected_batch_size=B) with "
+        "the optimizer's expected_batch_size=B, or report "
+        "sampling='shuffle' (the default).")
+  return sampling
+
+
 class _EpsilonCallback(keras.callbacks.Callback):
-  """ε of the optimizer's own DpEvent for one sampling assumption."""
+  """ε of the optimizer's own DpEvent, for the sampling the run used."""
 
   def __init__(self, num_examples, delta, accountant, sampling):
     super().__init__()
@@ -16,9 +46,15 @@ class _EpsilonCallback(keras.callbacks.Callback):
     self.delta = delta
     self.accountant = accountant
     self.sampling = sampling
+    self.run_sampling = None  # resolved from the optimizer at train begin
+
+  def on_train_begin(self, logs=None):
+    # Fail before the first step if the requested figure is not the run's.
+    self.run_sampling = run_sampling(self.model.optimizer, self.sampling)
 
   def _epsilon(self, optimizer, extra_steps=0):
-    event = optimizer.dp_event(self.num_examples, sampling=self.sampling,
+    self.run_sampling = run_sampling(optimizer, self.sampling)
+    event = optimizer.dp_event(self.num_examples, sampling=self.run_sampling,
                                steps=optimizer.steps_taken + extra_steps)
     return epsilon_lib.epsilon_of_event(event, self.delta, self.accountant)
 
@@ -27,7 +63,8 @@ class PrivacyBudget(_EpsilonCallback):
   """Logs ε (``logs['epsilon']``) after every epoch; stops before a budget.
 
   ε is computed from the optimizer's own DpEvent (the steps it actually took,
-  its σ, its logical batch size) for the chosen sampling assumption. With
+  its σ, its logical batch size) for the sampling the run used
+  (``run_sampling`` after training starts; see :func:`run_sampling`). With
   ``target_epsilon``, training stops at the end of the first epoch after
   which one more epoch would exceed the budget. The check runs between
   epochs: if a single epoch already exceeds the budget, it stops after that
@@ -38,17 +75,26 @@ class PrivacyBudget(_EpsilonCallback):
     delta: δ.
     target_epsilon: optional budget.
     accountant: ``"rdp"`` or ``"pld"``.
-    sampling: ``"shuffle"`` (default: each example once per epoch, what
-      ``model.fit`` does) or ``"poisson"`` (only if batches are
-      Poisson-sampled); see ``dp_sgd_event``.
+    sampling: None (default): the run's own — ``"poisson"`` if the
+      optimizer has ``expected_batch_size`` (``data.poisson_batches``),
+      else ``"shuffle"`` (each example once per epoch: fixed-size batches,
+      what ``model.fit(..., batch_size=B)`` does). An explicit value must
+      agree with the run (ValueError otherwise); ``"cyclic"`` for
+      correlated noise with ``data.cyclic_batches``.
   """
 
   def __init__(self, num_examples, delta, target_epsilon=None,
-               accountant="rdp", sampling="shuffle", verbose=1):
+               accountant="rdp", sampling=None, verbose=1):
     super().__init__(num_examples, delta, accountant, sampling)
     self.target_epsilon = target_epsilon
     self.verbose = verbose
     self.history = []
+
+  def on_train_begin(self, logs=None):
+    super().on_train_begin(logs)
+    if self.verbose:
+      print(f"PrivacyBudget: ε (δ = {self.delta:g}) for "
+            f"{_SAMPLING_TEXT.get(self.run_sampling, self.run_sampling)}.")
 
   def on_epoch_begin(self, epoch, logs=None):
     self._steps_at_epoch_start = self.model.optimizer.steps_taken
@@ -68,21 +114,36 @@ class PrivacyBudget(_EpsilonCallback):
     if eps > self.target_epsilon or next_eps > self.target_epsilon:
       self.model.stop_training = True
       if self.verbose:
-        print(f"\nPrivacyBudget: ε = {eps:.3f} after epoch {epoch + 1}; "
+        print(f"\nPrivacyBudget: ε = {eps:.3f} ({self.run_sampling} "
+              f"sampling) after epoch {epoch + 1}; "
               f"another epoch would reach ε = {next_eps:.3f} > budget "
               f"{self.target_epsilon:g}. Stopping.")
     if math.isinf(eps) and self.verbose:
       print("\nPrivacyBudget: training is NOT private (ε = ∞).")
 
 
-# TensorBoard's scalar plugin tag: tf.summary.scalar itself needs the
-# tensorboard package, tf.summary.write with this metadata does not.
-_SCALAR = tf.compat.v1.SummaryMetadata(
-    plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name="scalars"))
+_SAMPLING_TEXT = {
+    "poisson": "Poisson-sampled batches (data.poisson_batches; q = B/N)",
+    "shuffle": "fixed-size batches, each example once per epoch (no "
+               "amplification by sampling)",
+    "cyclic": "the same batches in the same order every epoch (cyclic)",
+}
 
 
-def _scalar(tag, value):
-  tf.summary.write(tag, tf.constant(value, tf.float32), metadata=_SCALAR)
+def _metadata(description=""):
+  # TensorBoard's scalar plugin tag: tf.summary.scalar itself needs the
+  # tensorboard package, tf.summary.write with this metadata does not.
+  return tf.compat.v1.SummaryMetadata(
+      summary_description=description,
+      plugin_data=tf.compat.v1.SummaryMetadata.PluginData(
+          plugin_name="scalars"))
+
+
+_SCALAR = _metadata()
+
+
+def _scalar(tag, value, metadata=_SCALAR):
+  tf.summary.write(tag, tf.constant(value, tf.float32), metadata=metadata)
 
 
 class PrivacyTensorBoard(_EpsilonCallback):
@@ -92,7 +153,8 @@ class PrivacyTensorBoard(_EpsilonCallback):
   the same directory is used):
 
   * ``privacy/epsilon`` after every epoch: ε at ``delta`` from the
-    optimizer's DpEvent for ``sampling`` (as :class:`PrivacyBudget`);
+    optimizer's DpEvent for the run's sampling (as :class:`PrivacyBudget`;
+    the scalar's description names the sampling);
   * ``privacy/noise_variance``: Φ of the last step's noise, (σC/B)² (times
     the correlated noise's row norm under DP-MF);
   * ``dp/<name>`` for every diagnostic of the optimizer (``dp_v_over_phi``,
@@ -105,7 +167,7 @@ class PrivacyTensorBoard(_EpsilonCallback):
   """
 
   def __init__(self, log_dir, num_examples, delta, accountant="rdp",
-               sampling="shuffle", update_freq="epoch"):
+               sampling=None, update_freq="epoch"):
     if update_freq != "epoch" and not (isinstance(update_freq, int)
                                        and update_freq > 0):
       raise ValueError('update_freq must be "epoch" or a positive integer; '
@@ -144,7 +206,9 @@ class PrivacyTensorBoard(_EpsilonCallback):
     eps = self._epsilon(optimizer)
     with self._summary_writer().as_default(
         step=int(optimizer.iterations.numpy())):
-      _scalar("privacy/epsilon", eps)
+      _scalar("privacy/epsilon", eps, _metadata(
+          f"ε at δ = {self.delta:g} for "
+          f"{_SAMPLING_TEXT.get(self.run_sampling, self.run_sampling)}"))
     self._writer.flush()
 
   def on_train_end(self, logs=None):

@@ -53,17 +53,30 @@ def dp_sgd_event(noise_multiplier, num_examples, batch_size, steps,
   _check(num_examples, batch_size, noise_multiplier, sampling)
   if noise_multiplier == 0:
     return dp_accounting.NonPrivateDpEvent()
+  return sampled_event(dp_accounting.GaussianDpEvent(noise_multiplier),
+                       num_examples, batch_size, steps, sampling,
+                       steps_per_epoch)
+
+
+def sampled_event(step_event, num_examples, batch_size, steps,
+                  sampling="poisson", steps_per_epoch=None):
+  """``steps`` releases of ``step_event`` (one per logical step), sampled.
+
+  ``"poisson"``: each release sees a Poisson sample of rate q = B/N,
+  composed ``steps`` times; ``"shuffle"``: an example is in one release per
+  epoch, so the run is ``step_event`` composed once per started epoch.
+  """
+  _check(num_examples, batch_size, 0, sampling)
   if steps == 0:
     return dp_accounting.NoOpDpEvent()
-  gaussian = dp_accounting.GaussianDpEvent(noise_multiplier)
   if sampling == "poisson":
     return dp_accounting.SelfComposedDpEvent(
         dp_accounting.PoissonSampledDpEvent(batch_size / num_examples,
-                                            gaussian), int(steps))
+                                            step_event), int(steps))
   per_epoch = steps_per_epoch or batches_per_epoch(num_examples, batch_size)
   # Every started pass over the data counts as one more participation.
   epochs = int(math.ceil(steps / per_epoch - 1e-9))
-  return dp_accounting.SelfComposedDpEvent(gaussian, epochs)
+  return dp_accounting.SelfComposedDpEvent(step_event, epochs)
 
 
 def correlated_noise_event(noise_multiplier, calibrated_sensitivity,

@@ -10,10 +10,13 @@ def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
   """Explains what ε a training run has, and under which assumptions.
 
   Gives both figures TF-Privacy gives: Poisson sampling (each example in each
-  step independently with probability B/N; the tighter, amplified figure) and
-  each example once per epoch (shuffled fixed-size batches, what
-  ``model.fit`` does; no amplification is proven for it). Steps are those
-  ``model.fit`` takes: epochs · ceil(N/B).
+  step independently with probability B/N; the tighter, amplified figure,
+  earned by ``tf_dpadambc.data.poisson_batches`` with an optimizer built with
+  ``expected_batch_size=B``) and each example once per epoch (shuffled
+  fixed-size batches, what ``model.fit(..., batch_size=B)`` does; no
+  amplification is proven for it). Steps are those ``model.fit`` takes:
+  epochs · ceil(N/B). For a finished run,
+  :func:`optimizer_privacy_statement` says which figure holds.
 
   ``used_microbatching=True`` accounts microbatches of several examples, whose
   sensitivity is 2C under add/remove adjacency (effective σ/2).
@@ -32,9 +35,19 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
   """The statement for the training a DP optimizer has performed so far.
 
   Uses the optimizer's own DpEvents: its steps, logical batch size and
-  effective noise multiplier (microbatching, accumulation across epochs).
+  effective noise multiplier (microbatching, accumulation across epochs),
+  and says which ε holds for the sampling the run used:
+
+  * ``expected_batch_size=B`` (batches from ``data.poisson_batches``): the
+    Poisson-sampled ε, with q = B/N; no once-per-epoch figure (an example
+    can be in several steps of an epoch).
+  * otherwise (fixed-size batches, e.g. ``model.fit``'s shuffled
+    ``batch_size``): the once-per-epoch ε; the Poisson figure is shown
+    labelled as NOT applying to the run.
   """
-  batch_size = batch_size or optimizer.logical_batch_size
+  poisson = getattr(optimizer, "expected_batch_size", None) is not None
+  batch_size = batch_size or (optimizer.expected_batch_size if poisson
+                              else optimizer.logical_batch_size)
   if not batch_size:
     raise ValueError("The optimizer has taken no private step yet; pass "
                      "batch_size.")
@@ -46,8 +59,10 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
   return _format(num_examples, batch_size, optimizer.steps_taken,
                  optimizer.noise_multiplier,
                  optimizer.accounted_noise_multiplier(num_examples), delta,
-                 accountant, event("poisson"), event("shuffle"),
-                 reason=optimizer.accounting_reason)
+                 accountant, event("poisson"),
+                 None if poisson else event("shuffle"),
+                 reason=optimizer.accounting_reason,
+                 run_sampling="poisson" if poisson else "fixed")
 
 
 _TWO_C = ("some steps can change by 2C when one example is added or removed — "
@@ -56,10 +71,15 @@ _TWO_C = ("some steps can change by 2C when one example is added or removed — 
 
 
 def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
-            accountant, poisson_event, shuffle_event, reason=None):
+            accountant, poisson_event, shuffle_event, reason=None,
+            run_sampling=None):
+  """``run_sampling``: None (planning: both figures), ``"poisson"`` or
+  ``"fixed"`` (a run: the figure that holds for it first)."""
+  expected = "expected " if run_sampling == "poisson" else ""
   lines = [
       "Differential privacy statement (tf_dpadambc)",
-      f"  training examples N = {num_examples:,}, batch size B = {batch_size}"
+      f"  training examples N = {num_examples:,}, {expected}batch size B = "
+      f"{batch_size}"
       f" (q = B/N = {batch_size / num_examples:.4g}), steps = {steps:,} "
       f"({steps * batch_size / num_examples:.3g} epochs)",
       f"  noise multiplier σ = {noise_multiplier:g}"
@@ -74,16 +94,48 @@ def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
         "clipped, but no ε holds (ε = ∞).")
     return "\n".join(lines)
   poisson = epsilon_lib.epsilon_of_event(poisson_event, delta, accountant)
-  shuffle = epsilon_lib.epsilon_of_event(shuffle_event, delta, accountant)
-  lines += [
-      f"  ε = {poisson:.3f} with Poisson sampling (each example joins each "
-      "batch independently with probability q).",
-      f"  ε = {shuffle:.3f} if each example is used exactly once per epoch "
-      "(shuffled fixed-size batches; no amplification by sampling assumed).",
-      "  model.fit shuffles fixed-size batches: the second figure is the one "
-      "proven for it; the first holds when batches are Poisson-sampled.",
-      _ASSUMPTIONS,
-  ]
+  if run_sampling == "poisson":
+    lines += [
+        "  sampling: Poisson — every step, each example joined the batch "
+        "independently with probability q (tf_dpadambc.data.poisson_batches)"
+        "; the noisy sum was divided by the expected batch size B, not by "
+        "the realized one.",
+        f"  ε = {poisson:.3f} with Poisson sampling: the guarantee of this "
+        "run (amplification by subsampling; Abadi et al. 2016).",
+        "  (No once-per-epoch figure: with Poisson sampling an example can "
+        "be in several steps of an epoch.)",
+        _ASSUMPTIONS,
+        "  It also assumes the sampling randomness stayed secret "
+        "(poisson_batches' default seed=None) and that the dataset was "
+        "not rebuilt with a fixed seed mid-run.",
+    ]
+  else:
+    shuffle = epsilon_lib.epsilon_of_event(shuffle_event, delta, accountant)
+    once = (f"  ε = {shuffle:.3f} if each example is used exactly once per "
+            "epoch (shuffled fixed-size batches; no amplification by "
+            "sampling assumed)")
+    hypothetical = (
+        f"  ε = {poisson:.3f} with Poisson sampling (each example joins each "
+        "batch independently with probability q)")
+    how = ("tf_dpadambc.data.poisson_batches(x, y, expected_batch_size="
+           f"{batch_size}) with the optimizer's expected_batch_size="
+           f"{batch_size}")
+    if run_sampling == "fixed":
+      lines += [
+          "  sampling: fixed-size batches (e.g. model.fit's shuffled "
+          "batch_size); the optimizer has no expected_batch_size.",
+          once + ": the guarantee of this run.",
+          hypothetical + " does NOT apply to this run: its batches were not "
+          f"Poisson samples. It would with {how}.",
+      ]
+    else:
+      lines += [
+          hypothetical + ".",
+          once + ".",
+          "  model.fit's shuffled fixed-size batches earn only the second "
+          f"figure; the first holds for Poisson-sampled batches: {how}.",
+      ]
+    lines.append(_ASSUMPTIONS)
   if math.isinf(poisson):
     lines.append("  (ε is unbounded for these parameters.)")
   return "\n".join(lines)

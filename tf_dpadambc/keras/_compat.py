@@ -8,9 +8,12 @@ them after each step) and the variables each layer owns directly (ghost
 clipping records them per layer). Ghost clipping also relies on every
 variable read inside a ``keras.StatelessScope`` going through the scope's
 ``get_current_value``. ``tests/test_training.py`` fails loudly if a Keras release
-renames any of them.
+renames any of them. (Poisson batches also set the Keras mask of the
+predictions, ``keras.src.backend.common.masking``; tests/test_poisson.py.)
 """
 import keras
+from keras.src.backend.common import masking
+import tensorflow as tf
 
 
 def compiled_loss(model):
@@ -77,3 +80,19 @@ def reset_metrics_too(model, metrics):
     for metric in metrics:
       metric.reset_state()
   object.__setattr__(model, "reset_metrics", reset_metrics)
+
+
+def mask_rows(outputs, keep):
+  """Marks the rows where ``keep`` [B] is False as masked (Keras mask, ANDed
+  with any mask already there), so that metrics compiled with ``metrics=``
+  — which Keras does not weight — skip them (MeanMetricWrapper honours it)."""
+  def mark(t):
+    old = masking.get_keras_mask(t)
+    if old is None:
+      masking.set_keras_mask(t, keep)
+    else:
+      old = tf.cast(old, tf.bool)
+      masking.set_keras_mask(t, tf.logical_and(old, tf.reshape(
+          keep, [-1] + [1] * (old.shape.rank - 1))))
+  for t in tf.nest.flatten(outputs):
+    mark(t)

@@ -76,6 +76,62 @@ def _per_example_weights(sample_weight, batch_size):
   return sample_weight
 
 
+def _unit_losses(model, x, y, sample_weight, num_microbatches):
+  """The pieces every clipping method shares: the parameters, the stateless
+  forward pass, the per-example loss (None: evaluate the compiled loss per
+  unit), ``unit_loss_fn(params, unit) -> (loss, y_pred)`` and the units."""
+  non_trainable = [v.value for v in model.non_trainable_variables]
+  params = [v.value for v in model.trainable_variables]
+  sample_weight = _per_example_weights(sample_weight, _batch_size(x))
+  example_loss = _compat.example_loss_fn(model)
+  if len(tf.nest.flatten(y)) != 1:
+    example_loss = None  # several outputs: evaluate the compiled loss per unit
+  compiled_loss = _compat.compiled_loss(model)
+
+  def forward(params, inputs):
+    y_pred, _, losses = model.stateless_call(
+        params, non_trainable, inputs, training=True, return_losses=True)
+    return y_pred, losses
+
+  def weighted_mean_loss(uy, y_pred, uw):
+    if example_loss is None:
+      return compiled_loss(uy, y_pred, uw)
+    values = _per_example_values(example_loss, uy, y_pred)
+    return tf.reduce_mean(tf.cast(uw, values.dtype) * values)
+
+  def unit_loss_fn(params, unit):
+    ux, uy, uw = unit
+    y_pred, losses = forward(params, ux)
+    loss = weighted_mean_loss(uy, y_pred, uw)
+    if losses:
+      # A unit whose weights are all 0 (e.g. Poisson padding) is absent:
+      # not even its regularization term may enter the clipped sum.
+      present = tf.reduce_any(tf.not_equal(uw, 0))
+      loss += tf.cast(present, loss.dtype) * tf.add_n(
+          [tf.cast(l, loss.dtype) for l in losses])
+    return loss, y_pred
+
+  units = per_example.split_microbatches((x, y, sample_weight),
+                                         num_microbatches)
+  return params, non_trainable, forward, example_loss, unit_loss_fn, units
+
+
+def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
+  """Every unit's gradient of a compiled Keras model's loss on one batch.
+
+  Each unit (example or microbatch) is evaluated alone under
+  ``tf.vectorized_map``, so examples cannot mix. Returns ``(grads,
+  unit_losses [U], y_pred)`` with ``grads[j]`` shaped ``[U, *var_j.shape]``
+  (what a DPQuery's ``preprocess_record`` takes, one unit at a time).
+  """
+  params, _, _, _, unit_loss_fn, units = _unit_losses(
+      model, x, y, sample_weight, num_microbatches)
+  _refuse_unvectorizable(model, "the optimizer needs per-unit gradients")
+  grads, losses, y_pred = per_example.per_unit_gradients(unit_loss_fn, params,
+                                                         units)
+  return grads, losses, per_example.merge_microbatches(y_pred)
+
+
 def private_gradient_sum(model, x, y, sample_weight, clip,
                          num_microbatches=None, method="auto"):
   """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
@@ -105,36 +161,8 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   """
   if method not in _METHODS:
     raise ValueError(f"clipping={method!r}: use one of {_METHODS}.")
-  non_trainable = [v.value for v in model.non_trainable_variables]
-  params = [v.value for v in model.trainable_variables]
-  batch_size = _batch_size(x)
-  sample_weight = _per_example_weights(sample_weight, batch_size)
-  example_loss = _compat.example_loss_fn(model)
-  if len(tf.nest.flatten(y)) != 1:
-    example_loss = None  # several outputs: evaluate the compiled loss per unit
-  compiled_loss = _compat.compiled_loss(model)
-
-  def forward(params, inputs):
-    y_pred, _, losses = model.stateless_call(
-        params, non_trainable, inputs, training=True, return_losses=True)
-    return y_pred, losses
-
-  def weighted_mean_loss(uy, y_pred, uw):
-    if example_loss is None:
-      return compiled_loss(uy, y_pred, uw)
-    values = _per_example_values(example_loss, uy, y_pred)
-    return tf.reduce_mean(tf.cast(uw, values.dtype) * values)
-
-  def unit_loss_fn(params, unit):
-    ux, uy, uw = unit
-    y_pred, losses = forward(params, ux)
-    loss = weighted_mean_loss(uy, y_pred, uw)
-    if losses:
-      loss += tf.add_n([tf.cast(l, loss.dtype) for l in losses])
-    return loss, y_pred
-
-  units = per_example.split_microbatches((x, y, sample_weight),
-                                         num_microbatches)
+  (params, non_trainable, forward, example_loss, unit_loss_fn,
+   units) = _unit_losses(model, x, y, sample_weight, num_microbatches)
 
   def grouped_losses(y_true, y_pred, uw):
     """[U] unit losses from a batched pass: weighted means over each unit."""
@@ -302,42 +330,141 @@ def _dp_train_step(self, data):
         f"compiled with {optimizer.__class__.__name__}, which is not a "
         "differentially private optimizer. Compile it with one of "
         "tf_dpadambc's optimizers (DPSGD, DPAdam, DPAdamBC, ...).")
-  if self.distribute_strategy.num_replicas_in_sync > 1:
-    # Each replica would add its own noise and normalise by its own batch:
-    # neither the noise std nor the accounting would be what they claim.
-    raise NotImplementedError(
-        "Private training under a tf.distribute strategy with "
-        f"{self.distribute_strategy.num_replicas_in_sync} replicas is not "
-        "supported yet: train on one device (no strategy scope).")
+  replicated = _check_strategy(self.distribute_strategy, optimizer)
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  poisson = optimizer.expected_batch_size is not None
+  if poisson and sample_weight is None:
+    raise ValueError(
+        f"{optimizer.name} has expected_batch_size="
+        f"{optimizer.expected_batch_size}: its batches must be Poisson "
+        "samples, padded, with weight 0 on the padding. These batches have "
+        "no sample weights: fit on tf_dpadambc.data.poisson_batches(x, y, "
+        "expected_batch_size=...) (without batch_size), or drop "
+        "expected_batch_size for fixed-size batches (shuffle accounting).")
   if getattr(optimizer, "public_data", None) is not None:
     _refresh_public_preconditioner(self, optimizer)
-  result, unit_losses, y_pred = private_gradient_sum(
-      self, x, y, sample_weight, optimizer.clip_spec(self.trainable_variables),
-      optimizer.num_microbatches, getattr(self, _CLIPPING, "auto"))
-  num_units = tf.shape(unit_losses)[0]
   batch_size = _batch_size(x)
-  optimizer.apply_private(result, num_units, batch_size,
-                          self.trainable_variables)
+  if optimizer.query is not None:
+    result, unit_losses, y_pred = _query_step(self, optimizer, x, y,
+                                              sample_weight, batch_size)
+    num_units = tf.shape(unit_losses)[0]
+  else:
+    result, unit_losses, y_pred = private_gradient_sum(
+        self, x, y, sample_weight,
+        optimizer.clip_spec(self.trainable_variables),
+        optimizer.num_microbatches, getattr(self, _CLIPPING, "auto"))
+    num_units = tf.shape(unit_losses)[0]
+    if replicated:
+      tf.distribute.get_replica_context().merge_call(
+          _apply_across_replicas, args=(optimizer, result, num_units,
+                                        batch_size, self.trainable_variables))
+    else:
+      optimizer.apply_private(result, num_units, batch_size,
+                              self.trainable_variables)
   _advance_seed_generators(self)
 
-  _compat.loss_tracker(self).update_state(
-      tf.reduce_mean(unit_losses), sample_weight=batch_size)
+  loss, loss_weight = tf.reduce_mean(unit_losses), batch_size
+  counted = num_units
+  if poisson:  # the padding (weight 0) is no example: do not count it
+    real = tf.not_equal(_per_example_weights(sample_weight, batch_size), 0)
+    counted = tf.reduce_sum(tf.cast(real, tf.int32))
+    loss = tf.reduce_sum(unit_losses) / tf.cast(tf.maximum(counted, 1),
+                                                unit_losses.dtype)
+    loss_weight = counted
+    _compat.mask_rows(y_pred, real)  # metrics= are not weighted by Keras
+  _compat.loss_tracker(self).update_state(loss, sample_weight=loss_weight)
   clipped_fraction, nonfinite, unverified = getattr(self, _METRICS)
-  clipped_fraction.update_state(
-      tf.cast(result.num_clipped, tf.float32) / tf.cast(num_units, tf.float32),
-      sample_weight=tf.cast(num_units, tf.float32))
-  nonfinite.update_state(tf.cast(result.num_nonfinite, tf.float32))
-  unverified.update_state(tf.cast(result.mismatch, tf.float32))
+  if result is not None:  # (a DPQuery clips internally: no such counts)
+    clipped_fraction.update_state(
+        tf.cast(result.num_clipped, tf.float32)
+        / tf.maximum(tf.cast(counted, tf.float32), 1.0),
+        sample_weight=tf.cast(counted, tf.float32))
+    nonfinite.update_state(tf.cast(result.num_nonfinite, tf.float32))
+    unverified.update_state(tf.cast(result.mismatch, tf.float32))
   diagnostics = getattr(self, _DIAGNOSTICS)
   for name, value in optimizer.diagnostics().items():
     diagnostics[name].update_state(value)
   logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-  logs.update({m.name: m.result() for m in (clipped_fraction, nonfinite)})
+  if result is not None:
+    logs.update({m.name: m.result() for m in (clipped_fraction, nonfinite)})
   logs.update({name: diagnostics[name].result()
                for name in optimizer.diagnostics()})
   logs[_UNVERIFIED] = unverified.result()
+  logs.update({f"dp_query_{name}": value
+               for name, value in optimizer.query_metrics().items()})
   return logs
+
+
+_STRATEGIES = ("MirroredStrategy", "MultiWorkerMirroredStrategy",
+               "CollectiveAllReduceStrategy", "_DefaultDistributionStrategy",
+               "OneDeviceStrategy")
+
+
+def _check_strategy(strategy, optimizer):
+  """True if the step runs on several synchronous replicas; refuses the
+  strategies and combinations whose noise could not be added once."""
+  kinds = {c.__name__ for c in type(strategy).__mro__}
+  if not kinds & set(_STRATEGIES):
+    raise NotImplementedError(
+        f"Private training under {type(strategy).__name__} is not "
+        "supported: tf_dpadambc adds the noise once per step across "
+        "synchronous replicas (MirroredStrategy, MultiWorkerMirroredStrategy). "
+        "Asynchronous or TPU strategies would need their own mechanism.")
+  if strategy.num_replicas_in_sync == 1:
+    return False
+  unsupported = [what for what, bad in (
+      ("a DPQuery (its state and noise are per process)",
+       optimizer.query is not None),
+      ("a public preconditioner", getattr(optimizer, "public_data", None)
+       is not None),
+      ("correlated (DP-MF) noise", optimizer.is_correlated)) if bad]
+  if unsupported:
+    raise NotImplementedError(
+        f"{optimizer.name} with {unsupported[0]} is not supported under "
+        f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} "
+        "replicas yet: train on one device (no strategy scope).")
+  return True
+
+
+def _apply_across_replicas(strategy, optimizer, result, num_units,
+                           num_examples, variables):
+  """Cross-replica: Σ over replicas of the clipped sums and counts, then
+  one private release (noise drawn once: total std σC, not σC per replica).
+
+  Each replica clipped its own examples, so the reduced sum is exactly the
+  single-device Σ_u clip(g_u); the optimizer sees one logical batch.
+  """
+  def total(value):
+    return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+
+  optimizer.apply_private(
+      [total(g) for g in result.grads], total(num_units), total(num_examples),
+      variables,
+      clipped_square_sum=(None if result.square_grads is None else
+                          [total(g) for g in result.square_grads]))
+
+
+def _query_step(model, optimizer, x, y, sample_weight, batch_size):
+  """A step privatized by the optimizer's DPQuery, on per-unit gradients.
+
+  Units with a non-finite gradient, or whose examples all have weight 0
+  (padding), are not records of the query (they would count as unclipped
+  records in adaptive clipping).
+  """
+  grads, unit_losses, y_pred = per_unit_gradients(
+      model, x, y, sample_weight, optimizer.num_microbatches)
+  finite = tf.reduce_all(tf.stack([
+      tf.reduce_all(tf.math.is_finite(tf.reshape(g, [tf.shape(g)[0], -1])),
+                    axis=1) for g in grads]), axis=0)
+  weights = per_example.split_microbatches(
+      _per_example_weights(sample_weight, batch_size),
+      optimizer.num_microbatches)
+  mask = finite & tf.reduce_any(tf.not_equal(weights, 0), axis=1)
+  grads = [tf.where(tf.reshape(finite, [-1] + [1] * (g.shape.rank - 1)), g,
+                    tf.zeros_like(g)) for g in grads]
+  optimizer.apply_per_unit(grads, tf.shape(unit_losses)[0], batch_size,
+                           model.trainable_variables, unit_mask=mask)
+  return None, unit_losses, y_pred
 
 
 def _checked_train_function(model):
@@ -349,6 +476,14 @@ def _checked_train_function(model):
   make = model.make_train_function
 
   def make_train_function(force=False):
+    if model.distribute_strategy.num_replicas_in_sync > 1 and model.jit_compile:
+      # The replicas' clipped sums meet in one cross-replica release, which
+      # XLA cannot compile across devices.
+      logging.getLogger(__name__).warning(
+          "Model '%s': private training on %d replicas compiles the train "
+          "step without XLA (jit_compile=False).", model.name,
+          model.distribute_strategy.num_replicas_in_sync)
+      model.jit_compile = False
     make(force)
     function = model.train_function
     if getattr(function, "_tf_dpadambc_checked", False):

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpadambc import mechanisms
+from tf_dpadambc import queries
 from tf_dpadambc._checks import check_count  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_decay  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_positive
@@ -103,31 +104,57 @@ class DPOptimizer(keras.optimizers.Optimizer):
       ``IndependentNoise()`` (the default, DP-SGD's) or
       ``CorrelatedNoise(strategy, steps, ...)`` (DP-MF: noise correlated
       across steps, σΔ·sens(C)·(C⁻¹z)_t; Φ follows its per-step variance).
+    query: instead of ``l2_norm_clip``/``noise_multiplier``/``noise``, a
+      TF-Privacy DPQuery (``tf_dpadambc.tf_privacy.GaussianSumQuery``,
+      ``QuantileAdaptiveClipSumQuery``, tree aggregation, ...) that clips and
+      noises each step (``tf_dpadambc.queries``): its global state advances
+      inside the compiled step, its DpEvent is what ``dp_event`` composes.
+      For the variants that release the plain clipped sum (not IME, JME,
+      scale-then-privatize, DP², public preconditioners); needs per-unit
+      gradients (clipping="vectorized" speed).
+    expected_batch_size: ``None`` (fixed-size batches) or B ≥ 1: every batch
+      is a Poisson sample of expected size B (each example independently
+      with probability q = B/N; ``tf_dpadambc.data.poisson_batches``). The
+      mean then divides by B, never by the realized batch size (which is
+      not private; as Opacus), Φ = (σC/B)², and ``dp_event`` accounts
+      Poisson sampling with q = B/N — only. Not with ``num_microbatches``,
+      gradient accumulation, correlated noise, a DPQuery or IME.
     learning_rate, **kwargs: as for ``keras.optimizers.Optimizer``
       (``weight_decay`` gives decoupled weight decay, at no privacy cost).
 
   The private mean of a logical step with B units is
   ḡ = (Σ_u clip_C(g_u) + N(0, σ²C² I)) / B, per-coordinate noise variance
-  Φ = (σC/B)² (normalised by the number of units actually in the step);
+  Φ = (σC/B)² (normalised by the number of units actually in the step, or
+  by ``expected_batch_size``);
   with correlated noise Var_t = (σC/B)²·sens(C)²·‖row_t(C⁻¹)‖².
   """
 
   # Names of the diagnostics (core.diagnostics.summarize) a class reports.
   DIAGNOSTICS = ()
 
-  def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001,
-               num_microbatches=None, gradient_accumulation_steps=None,
-               seed=None, clipping="standard", automatic_gamma=0.01,
-               noise=None, name=None, **kwargs):
+  def __init__(self, l2_norm_clip=None, noise_multiplier=None,
+               learning_rate=0.001, num_microbatches=None,
+               gradient_accumulation_steps=None, seed=None,
+               clipping="standard", automatic_gamma=0.01, noise=None,
+               query=None, expected_batch_size=None, name=None, **kwargs):
     # Validate before Keras' __init__ so that bad input fails first; Keras
     # requires super().__init__() before any attribute is set.
-    l2_norm_clip = check_clip(l2_norm_clip)
+    if query is not None:
+      self._check_query_use(l2_norm_clip, noise_multiplier, noise, clipping,
+                            gradient_accumulation_steps)
+      query = queries.QueryRelease(query)
+    elif l2_norm_clip is None or noise_multiplier is None:
+      raise TypeError(
+          f"{self.__class__.__name__} needs l2_norm_clip and "
+          "noise_multiplier (or a TF-Privacy DPQuery as query=...).")
+    else:
+      l2_norm_clip = check_clip(l2_norm_clip)
+      noise_multiplier = check_positive("noise_multiplier", noise_multiplier,
+                                        allow_zero=True)
     if clipping not in ("standard", "automatic"):
       raise ValueError('clipping must be "standard" or "automatic"; got '
                        f"{clipping!r}.")
     automatic_gamma = check_positive("automatic_gamma", automatic_gamma)
-    noise_multiplier = check_positive("noise_multiplier", noise_multiplier,
-                                      allow_zero=True)
     num_microbatches = check_count("num_microbatches", num_microbatches)
     accumulation_steps = check_count(
         "gradient_accumulation_steps", gradient_accumulation_steps) or 1
@@ -144,6 +171,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if seed is not None and (isinstance(seed, bool)
                              or not isinstance(seed, numbers.Integral)):
       raise ValueError(f"seed must be None or an integer; got {seed!r}.")
+    expected_batch_size = self._check_poisson_use(
+        expected_batch_size, num_microbatches, accumulation_steps, mechanism,
+        query)
     super().__init__(learning_rate=learning_rate,
                      name=name or self.__class__.__name__, **kwargs)
     self.l2_norm_clip = l2_norm_clip
@@ -154,23 +184,101 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self.accumulation_steps = accumulation_steps
     self.seed = seed
     self.noise = mechanism
+    self.query = query
+    self.expected_batch_size = expected_batch_size
     self._seed_pair = (core_noise.random_seed() if seed is None
                        else [int(seed) % (2**62), 0x5EED])
+    if query is not None and tf.compat.v1.get_seed(None)[0] is not None:
+      warnings.warn(
+          "The DPQuery draws its noise from TensorFlow's global random "
+          "generator, and a global seed is set (tf.random.set_seed or "
+          "keras.utils.set_random_seed): whoever knows that seed can "
+          "reproduce and remove the noise. Do not set a global seed in "
+          "private training runs.", UserWarning, stacklevel=2)
     if self.noise_multiplier == 0:
       warnings.warn(
           f"{self.__class__.__name__} with noise_multiplier=0 adds no noise: "
           "training is NOT differentially private (gradients are still "
           "clipped). Use it only for debugging.", UserWarning, stacklevel=2)
 
+  def _check_query_use(self, l2_norm_clip, noise_multiplier, noise,
+                       clipping_mode, accumulation):
+    """A DPQuery replaces the Gaussian mechanism of DPOptimizer._privatize;
+    refuse the settings and classes it cannot serve soundly."""
+    name = self.__class__.__name__
+    if l2_norm_clip is not None or noise_multiplier is not None:
+      raise ValueError(
+          f"{name}: pass either query= or l2_norm_clip/noise_multiplier; the "
+          "query does its own clipping and noise.")
+    if noise is not None:
+      raise ValueError(f"{name}: query= and noise= are exclusive (the query "
+                       "is the noise mechanism).")
+    if clipping_mode != "standard":
+      raise ValueError(f"{name}: clipping={clipping_mode!r} with a query; the "
+                       "query's preprocess_record does the clipping.")
+    if accumulation not in (None, 1):
+      raise ValueError(
+          f"{name}: gradient_accumulation_steps with a query is not "
+          "supported (the query's sample state would have to persist across "
+          "physical batches); use a larger batch.")
+    cls = type(self)
+    own = [m for m in ("_privatize", "clip_spec", "_step_sensitivity")
+           if getattr(cls, m) is not getattr(DPOptimizer, m)]
+    if own or cls._uses_square_sum:
+      how = ", ".join(own) or "sums of squares"
+      raise ValueError(
+          f"{name} privatizes its own way ({how}), so a DPQuery cannot stand "
+          "in for its mechanism. "
+          "Queries work with the variants that release the plain clipped "
+          "sum: DPSGD, DPAdam, DPAdamBC, DPRMSProp(BC), DPAdagrad(BC), ...")
+
+  def _check_poisson_use(self, expected_batch_size, num_microbatches,
+                         accumulation_steps, mechanism, query):
+    """B for Poisson-sampled batches (or None); refuses what would make the
+    normalisation by B or the accounting with q = B/N unsound."""
+    expected_batch_size = check_count("expected_batch_size",
+                                      expected_batch_size)
+    if expected_batch_size is None:
+      return None
+    name = self.__class__.__name__
+    refused = [
+        (num_microbatches is not None, "num_microbatches (microbatches of "
+         "a random-size batch have no fixed size or sensitivity)"),
+        (accumulation_steps > 1, "gradient_accumulation_steps (k Poisson "
+         "batches together are not one Poisson sample of rate kB/N: an "
+         "example can be in several); use a larger expected_batch_size"),
+        (not isinstance(mechanism, mechanisms.IndependentNoise),
+         "correlated (DP-MF) noise (no ε is known for it with plain Poisson "
+         "sampling)"),
+        (query is not None, "a DPQuery (it normalises by the realized "
+         "number of units)"),
+        (self._poisson_unsupported is not None, self._poisson_unsupported)]
+    for bad, why in refused:
+      if bad:
+        raise ValueError(f"{name}: expected_batch_size (Poisson-sampled "
+                         f"batches) is not supported with {why}.")
+    return expected_batch_size
+
+  # Why a class cannot take Poisson batches (expected_batch_size), if so.
+  _poisson_unsupported = None
+
+  # Bias correction subtracts Φ: it needs the noise variance of each release.
+  _needs_noise_variance = False
+
   @property
   def is_private(self):
     """False when no noise is added (noise_multiplier == 0) or the class is a
     non-private research baseline."""
+    if self.query is not None:
+      return self.query.is_private and not self._not_private_reason
     return self.noise_multiplier > 0 and not self._not_private_reason
 
   @property
   def sensitivity(self):
     """L2 bound of one unit's clipped gradient: C, or ‖(C_k)‖₂ per layer."""
+    if self.query is not None:
+      raise ValueError("With a DPQuery the sensitivity is the query's; see "
+                       "its DpEvent (dp_event).")
     return self._clip_spec_for(self.l2_norm_clip).sensitivity
 
   def _clip_spec_for(self, clip_norm):
@@ -230,13 +338,66 @@ class DPOptimizer(keras.optimizers.Optimizer):
               name=f"dp_noise_state_{stream}_{i}")
           for i, shape in enumerate(shapes)]
 
+    self._query_variables = []
+    if self.query is not None:
+      self._build_query_state(variables)
+
     # A Dense DP-MF strategy redraws z_0..z_t every step: a resumed run must
     # redraw them with the same (secret) seed, so it is saved like the state.
+    # Under several synchronous replicas the seed lives in a variable too:
+    # MultiWorkerMirroredStrategy initializes variables by broadcast from
+    # worker 0, so every worker draws the same (once-global) noise even
+    # though each drew its own OS seed. Not saved (see _saved_variables).
     self._seed_variable = None
-    if self.noise.regenerates_past_draws:
+    replicated = (tf.distribute.has_strategy() and
+                  tf.distribute.get_strategy().num_replicas_in_sync > 1)
+    if self.noise.regenerates_past_draws or replicated:
       self._seed_variable = self.add_variable(
           (2,), initializer=keras.initializers.Constant(self._seed_pair),
           dtype="int64", name="dp_noise_seed")
+
+  def _build_query_state(self, variables):
+    """One variable per tensor of the query's global state, so that the
+    compiled step reads and advances it (adaptive clipping under fit)."""
+    state = self.query.initial_state(variables)
+    if self._needs_noise_variance and self.query.noise_stddev(state) is None:
+      raise ValueError(
+          f"{self.__class__.__name__} subtracts the noise variance Φ, but "
+          f"the noise std of {type(self.query.query).__name__} is not known "
+          "to tf_dpadambc. Use a Gaussian sum query (GaussianSumQuery, "
+          "QuantileAdaptiveClipSumQuery, NormalizedQuery) or a variant "
+          "without bias correction (DPAdam, DPSGD).")
+    if not self.query.is_private:
+      warnings.warn(
+          f"{self.name}: the DPQuery {type(self.query.query).__name__} adds "
+          "no noise (its DpEvent says so): training is NOT differentially "
+          "private.", UserWarning, stacklevel=3)
+    self._query_structure = state
+    with tf.init_scope():  # the state's values, also when built in a trace
+      values = [tf.convert_to_tensor(t).numpy()
+                for t in tf.nest.flatten(state)]
+    for i, (value, shape) in enumerate(zip(values, self.query.state_shapes)):
+      name = f"dp_query_state_{i}"
+      if not shape.is_fully_defined():  # tree buffers grow: a plain variable
+        with tf.init_scope():
+          variable = tf.Variable(value, shape=shape, trainable=False,
+                                 name=name)
+      else:
+        variable = self.add_variable(
+            value.shape, dtype=value.dtype.name, name=name,
+            initializer=keras.initializers.Constant(value))
+      self._query_variables.append(variable)
+
+  def _query_state(self):
+    return tf.nest.pack_sequence_as(
+        self._query_structure,
+        [tf.convert_to_tensor(v) for v in self._query_variables])
+
+  def query_metrics(self):
+    """The DPQuery's metrics now (e.g. ``clip``, the adaptive clip norm)."""
+    if self.query is None or not self.built:
+      return {}
+    return self.query.metrics(self._query_state())
 
   # The noise streams of a step's releases: 0 for ḡ (1: IME's ḡ², 2: JME's).
   _noise_streams = (0,)
@@ -285,14 +446,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
       clipped_square_sum: Σ_u clip(g_u)², for optimizers that need it (joint
         moment estimation); taken from a ``ClippedSum`` when given one.
     """
+    if self.query is not None:
+      raise TypeError(
+          f"{self.name} privatizes with a DPQuery, which clips each unit "
+          "itself: feed it per-unit gradients with apply_per_unit().")
     if isinstance(clipped_sum, clipping.ClippedSum):
       clipped_sum, clipped_square_sum = (clipped_sum.grads,
                                          clipped_sum.square_grads)
-    if trainable_variables is None:
-      trainable_variables = self._trainable_variables
-    trainable_variables = list(trainable_variables)
-    if not self.built:
-      self.build(trainable_variables)
+    trainable_variables = self._variables_of_step(trainable_variables)
     if self._uses_square_sum and clipped_square_sum is None:
       raise ValueError(
           f"{self.__class__.__name__} needs the sum of squared clipped "
@@ -301,6 +462,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
     squares = list(clipped_square_sum) if self._uses_square_sum else None
     num_units = tf.cast(num_units, tf.int64)
     num_examples = tf.cast(num_examples, tf.int64)
+    if self.expected_batch_size is not None:
+      # Poisson batches: the realized size is not private, so the mean
+      # divides by the expected size B (Φ = (σC/B)²) and the accounting
+      # records B (Abadi et al. 2016; Opacus normalises the same way).
+      num_units = num_examples = tf.constant(self.expected_batch_size,
+                                             tf.int64)
     self._max_physical_examples.assign(
         tf.maximum(self._max_physical_examples, num_examples))
     if self.accumulation_steps == 1:
@@ -328,6 +495,41 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     tf.cond(step % self.accumulation_steps == 0, release,
             lambda: tf.constant(False))
+
+  def _variables_of_step(self, trainable_variables):
+    if trainable_variables is None:
+      trainable_variables = self._trainable_variables
+    trainable_variables = list(trainable_variables)
+    if not self.built:
+      self.build(trainable_variables)
+    return trainable_variables
+
+  def apply_per_unit(self, per_unit_grads, num_units, num_examples,
+                     trainable_variables=None, unit_mask=None):
+    """Feeds one physical batch's per-unit gradients g_u ([U, ...] each).
+
+    Clips them with :meth:`clip_spec` and calls :meth:`apply_private`; with
+    a DPQuery, accumulates Σ_u preprocess_record(g_u) and releases it.
+    ``unit_mask`` ([U] bool) leaves out padding rows. Returns the
+    ``ClippedSum`` (None with a query).
+    """
+    variables = self._variables_of_step(trainable_variables)
+    if self.query is None:
+      result = clipping.materialized_clipped_sum(
+          [g if unit_mask is None else tf.where(
+              tf.reshape(unit_mask, [-1] + [1] * (g.shape.rank - 1)), g,
+              tf.zeros_like(g)) for g in per_unit_grads],
+          self.clip_spec(variables))
+      self.apply_private(result, num_units, num_examples, variables)
+      return result
+    sample = self.query.sample_state(self._query_state(), per_unit_grads,
+                                     variables, unit_mask)
+    num_units = tf.cast(num_units, tf.int64)
+    num_examples = tf.cast(num_examples, tf.int64)
+    self._max_physical_examples.assign(
+        tf.maximum(self._max_physical_examples, num_examples))
+    self._release(sample, None, num_units, num_examples, variables)
+    return None
 
   def _release(self, clipped_sum, clipped_square_sum, num_units,
                num_examples, variables):
@@ -374,6 +576,34 @@ class DPOptimizer(keras.optimizers.Optimizer):
           self._diagnostics[name].assign(value)
     object.__setattr__(self, "_step_release", None)
 
+  # Under a tf.distribute strategy the private release runs once, in the
+  # cross-replica context (keras.training merges the replicas' clipped sums
+  # first). Keras' TF optimizer assumes a replica context there (its
+  # maybe_merge_call and gradient all-reduce); in cross-replica context the
+  # gradients are already global, so update the mirrored variables directly.
+  def _backend_update_step(self, grads, trainable_variables, learning_rate):
+    if tf.distribute.get_replica_context() is not None:
+      return super()._backend_update_step(grads, trainable_variables,
+                                          learning_rate)
+    variables = [v.value if isinstance(v, keras.Variable) else v
+                 for v in trainable_variables]
+    return self._distributed_tf_update_step(
+        tf.distribute.get_strategy(), list(zip(grads, variables)),
+        learning_rate)
+
+  def _apply_weight_decay(self, variables):
+    if (self.weight_decay is None
+        or tf.distribute.get_replica_context() is not None):
+      return super()._apply_weight_decay(variables)
+    def decay(v):
+      v.assign_sub(v * tf.cast(self.weight_decay, v.dtype)
+                   * tf.cast(self.learning_rate, v.dtype))
+    for variable in variables:
+      if self._use_weight_decay(variable):
+        tf.distribute.get_strategy().extended.update(
+            variable.value if isinstance(variable, keras.Variable)
+            else variable, decay, group=False)
+
   def _sampler(self):
     """The step's ``sample(templates, stddev, stream)`` (core.noise) from the
     noise mechanism, and the dict its new streaming states go to."""
@@ -415,10 +645,23 @@ class DPOptimizer(keras.optimizers.Optimizer):
     privatize) override this.
     """
     del clipped_square_sum
+    if self.query is not None:
+      return self._query_release(clipped_sum, num_units)
     noisy_mean, noise_variance = core_noise.gaussian_release(
         clipped_sum, self._step_sensitivity(), self.noise_multiplier,
         num_units, sample)
     return Release(noisy_mean, None, noise_variance)
+
+  def _query_release(self, sample_state, num_units):
+    """The DPQuery's release; its new global state goes to the variables."""
+    mean, new_state, phi = self.query.release(sample_state,
+                                              self._query_state(), num_units)
+    for variable, leaf in zip(self._query_variables,
+                              tf.nest.flatten(new_state)):
+      variable.assign(tf.cast(leaf, variable.dtype))
+    if phi is None:  # unknown noise std: Φ only feeds diagnostics here
+      phi = tf.constant(float("nan"), tf.float32)
+    return Release(mean, None, phi)
 
   def _step_sensitivity(self):
     """Δ of this step's clipped sum (a step-dependent tensor for DP²)."""
@@ -447,13 +690,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
     ``used_microbatching=True``. Conservatively σ/2 whenever microbatching is
     configured and no step has shown that units hold one example.
     """
+    if self.query is not None:
+      raise ValueError("With a DPQuery the accounting follows the query's "
+                       "DpEvent: use dp_event().")
+    sigma = self.noise_multiplier * self._accounting_noise_factor
+    return sigma / 2 if self._units_hold_several_examples() else sigma
+
+  def _units_hold_several_examples(self):
     units = int(self._max_batch_units.numpy()) if self.built else 0
     if units:
-      several = int(self._max_batch_examples.numpy()) > units
-    else:
-      several = self.num_microbatches is not None
-    sigma = self.noise_multiplier * self._accounting_noise_factor
-    return sigma / 2 if several else sigma
+      return int(self._max_batch_examples.numpy()) > units
+    return self.num_microbatches is not None
 
   # Ratio of the σ the accounting may use to the configured σ (< 1 where a
   # release has more sensitivity than its noise pays for, e.g. JME).
@@ -487,10 +734,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     Args:
       num_examples: size N of the training set.
-      batch_size: expected logical batch size; defaults to the largest seen.
+      batch_size: expected logical batch size; defaults to the largest seen
+        (``expected_batch_size`` for Poisson batches).
       sampling: ``"poisson"`` (each example in each step independently with
-        probability B/N: what the ε from ``compute_epsilon`` assumes) or
-        ``"shuffle"`` (each example once per epoch, no amplification). With
+        probability B/N: what the ε from ``compute_epsilon`` assumes; it
+        holds for batches from ``data.poisson_batches`` with
+        ``expected_batch_size``) or ``"shuffle"`` (each example once per
+        epoch, no amplification). With
         correlated noise: ``"cyclic"`` (fixed batch order every epoch),
         ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, expected
         batch size B); see ``CorrelatedNoise.accounting_event``.
@@ -499,9 +749,30 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if self._not_private_reason:
       raise ValueError(
           f"{self.__class__.__name__} has no ε: {self._not_private_reason}")
+    if self.expected_batch_size is not None and (
+        sampling != "poisson"
+        or batch_size not in (None, self.expected_batch_size)):
+      raise ValueError(
+          f"{self.__class__.__name__} takes Poisson-sampled batches "
+          f"(expected_batch_size={self.expected_batch_size}): only "
+          "sampling='poisson' with that batch size describes them (an "
+          "example can be in several steps of an epoch, so the once-per-"
+          f"epoch accounting does not hold); got sampling={sampling!r}, "
+          f"batch_size={batch_size!r}.")
     batch_size = batch_size or self.logical_batch_size
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
+    if self.query is not None:
+      if not self.built:
+        raise ValueError("The query's DpEvent is known after the first step.")
+      step_event = self.query.step_event(
+          self._query_state(),
+          divisor=2 if self._units_hold_several_examples() else 1)
+      return events.sampled_event(
+          step_event, num_examples, batch_size,
+          self.steps_taken if steps is None else steps,
+          {"cyclic": "shuffle"}.get(sampling, sampling),
+          self.logical_steps_per_epoch(num_examples))
     return self.noise.accounting_event(
         self.accounted_noise_multiplier(num_examples),
         self.steps_taken if steps is None else steps, sampling, batch_size,
@@ -554,6 +825,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def _saved_variables(self):
     unsaved = {id(v) for v in self._accumulation_state()}
+    if self._seed_variable is not None and not self.noise.regenerates_past_draws:
+      unsaved.add(id(self._seed_variable))  # only DP-MF's redraws need it
     return [v for v in self.variables if id(v) not in unsaved]
 
   def save_own_variables(self, store):
@@ -587,6 +860,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   # ---------------------------------------------------------- config
   def get_config(self):
+    if self.query is not None:
+      raise NotImplementedError(
+          f"{self.name} holds a TF-Privacy DPQuery, which is not a Keras "
+          "object and cannot be serialized. Save the weights "
+          "(model.save_weights, or model.save(..., include_optimizer=False)) "
+          "and build the optimizer again with its query.")
     config = super().get_config()
     config.update({
         "l2_norm_clip": self.l2_norm_clip,
@@ -598,5 +877,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "clipping": self.clipping,
         "automatic_gamma": self.automatic_gamma,
         "noise": mechanisms.serialize(self.noise),
+        "expected_batch_size": self.expected_batch_size,
     })
     return config

@@ -73,6 +73,7 @@ class BiasCorrection(adaptive.Adaptive):
   """
 
   DIAGNOSTICS = adaptive.Adaptive.DIAGNOSTICS + ("dp_clamped_fraction",)
+  _needs_noise_variance = True
 
   def __init__(self, *args, gamma_prime=1e-8, **kwargs):
     gamma_prime = base.check_positive("gamma_prime", gamma_prime)
@@ -137,6 +138,10 @@ class IndependentMoments(_UnbiasedSecondMoment):
   """
 
   _noise_streams = (0, 1)
+  # ḡ²'s sensitivity (2B+1)C²/B² needs at most B units in the batch.
+  _poisson_unsupported = ("IME: the sensitivity of its ḡ² release, "
+                          "(2B+1)C²/B², holds only for batches of at most "
+                          "B units, and a Poisson batch can be larger")
 
   def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
     del clipped_square_sum

@@ -20,7 +20,8 @@ class DPSGD(base.DPOptimizer):
     nesterov: Nesterov momentum, as ``keras.optimizers.SGD``.
   """
 
-  def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.01,
+  def __init__(self, l2_norm_clip=None, noise_multiplier=None,
+               learning_rate=0.01,
                momentum=0.0, nesterov=False, name="DPSGD", **kwargs):
     momentum = base.check_decay("momentum", momentum)
     super().__init__(l2_norm_clip, noise_multiplier,

@@ -1,0 +1,232 @@
+"""DPQuery interop: any DPQuery privatizes the steps of our optimizers.
+
+Tests that need TF-Privacy are skipped without it; the rest use our own
+mechanisms, which are DPQueries too.
+"""
+import math
+import warnings
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpadambc
+from tf_dpadambc import mechanisms
+from tf_dpadambc import queries
+from tf_dpadambc import tf_privacy
+from tf_dpadambc.accounting import epsilon as epsilon_lib
+from tf_dpadambc.accounting import events
+
+needs_tfp = pytest.mark.skipif(not tf_privacy.available(),
+                               reason="tensorflow-privacy is not installed")
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The DPQuery draws its noise:UserWarning")
+
+X = np.random.RandomState(0).randn(64, 5).astype("float32") * 3
+Y = (X[:, 0] > 0).astype("int32")
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _model(optimizer, jit_compile=True):
+  keras.utils.set_random_seed(7)
+  model = tf_dpadambc.make_private(keras.Sequential([
+      keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+      keras.layers.Dense(2)]))
+  model.compile(optimizer=optimizer, loss=LOSS, jit_compile=jit_compile)
+  return model
+
+
+def _reference_sgd_step(model, x, y, clip, lr):
+  """Per-example tape loop, clip to C, mean over the batch, SGD."""
+  weights = [w.numpy() for w in model.trainable_variables]
+  total = [np.zeros_like(w) for w in weights]
+  for i in range(len(x)):
+    with tf.GradientTape() as tape:
+      loss = LOSS(y[i:i + 1], model(x[i:i + 1]))
+    grads = [g.numpy() for g in tape.gradient(loss,
+                                              model.trainable_variables)]
+    norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads))
+    total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads)]
+  return [w - lr * t / len(x) for w, t in zip(weights, total)]
+
+
+def _queries_without_noise(clip):
+  made = [("IndependentNoise", mechanisms.IndependentNoise(clip, 0.0))]
+  if tf_privacy.available():
+    made.append(("GaussianSumQuery", tf_privacy.GaussianSumQuery(clip, 0.0)))
+  return made
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_query_step_equals_clipped_sgd_reference(index):
+  made = _queries_without_noise(0.5)
+  if index >= len(made):
+    pytest.skip("tensorflow-privacy is not installed")
+  _, query = made[index]
+  model = _model(tf_dpadambc.DPSGD(query=query, learning_rate=0.3))
+  expected = _reference_sgd_step(model, X[:16], Y[:16], 0.5, 0.3)
+  model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)
+  for w, e in zip(model.trainable_variables, expected):
+    np.testing.assert_allclose(w.numpy(), e, rtol=1e-5, atol=1e-6)
+
+
+def _noise_std_of_step(query, num_units=32, dim=20000):
+  """The std of one update of DPSGD(lr=1) from zero per-unit gradients."""
+  optimizer = tf_dpadambc.DPSGD(query=query, learning_rate=1.0)
+  variable = keras.Variable(np.zeros(dim, "float32"))
+  optimizer.apply_per_unit([tf.zeros([num_units, dim])], num_units,
+                           num_units, [variable])
+  return float(np.std(variable.numpy())), optimizer
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mechanisms.IndependentNoise(2.0, 1.5),
+    pytest.param(lambda: tf_privacy.GaussianSumQuery(2.0, 3.0),
+                 marks=needs_tfp)])
+def test_noise_std_is_query_stddev_over_batch(make):
+  # One release of 20,000 coordinates: the sample std of N(0, s²) is within
+  # 3% of s with overwhelming probability (its relative sd is 1/√(2n) ≈ 0.5%).
+  std, optimizer = _noise_std_of_step(make())
+  expected = 3.0 / 32
+  assert abs(std - expected) / expected < 0.03
+  # Φ = (std / B)², what bias correction subtracts.
+  np.testing.assert_allclose(optimizer.noise_variance.numpy(), expected ** 2,
+                             rtol=1e-6)
+
+
+def test_dp_event_is_composed_from_the_query_event():
+  optimizer = tf_dpadambc.DPAdam(query=mechanisms.IndependentNoise(1.0, 1.1),
+                                 learning_rate=1e-3)
+  model = _model(optimizer)
+  model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+  assert optimizer.steps_taken == 8
+  assert optimizer.dp_event(64) == events.dp_sgd_event(1.1, 64, 16, 8)
+  assert optimizer.dp_event(64, sampling="shuffle") == events.dp_sgd_event(
+      1.1, 64, 16, 8, "shuffle")
+
+
+def test_microbatches_halve_the_query_noise_multiplier():
+  optimizer = tf_dpadambc.DPSGD(query=mechanisms.IndependentNoise(1.0, 2.0),
+                                num_microbatches=4)
+  model = _model(optimizer)
+  model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+  assert optimizer.dp_event(64) == events.dp_sgd_event(1.0, 64, 16, 4)
+
+
+@needs_tfp
+def test_adaptive_clip_advances_inside_compiled_fit():
+  # No noise on the count and a target quantile of 0: while every norm is
+  # below the clip (C₀ = 1e4), each step multiplies C by exp(-η·(1 − 0)).
+  query = tf_privacy.QuantileAdaptiveClipSumQuery(
+      initial_l2_norm_clip=1e4, noise_multiplier=0.0,
+      target_unclipped_quantile=0.0, learning_rate=0.1,
+      clipped_count_stddev=0.0, expected_num_records=16)
+  optimizer = tf_dpadambc.DPAdam(query=query, learning_rate=1e-3)
+  model = _model(optimizer, jit_compile=True)
+  history = model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+  clip = float(optimizer.query_metrics()["clip"])
+  np.testing.assert_allclose(clip, 1e4 * math.exp(-0.4), rtol=1e-5)
+  np.testing.assert_allclose(history.history["dp_query_clip"][-1], clip,
+                             rtol=1e-6)
+
+
+@needs_tfp
+def test_adaptive_clip_event_reaches_accounting():
+  query = tf_privacy.QuantileAdaptiveClipSumQuery(
+      initial_l2_norm_clip=1.0, noise_multiplier=1.1,
+      target_unclipped_quantile=0.5, learning_rate=0.2,
+      clipped_count_stddev=16 / 20, expected_num_records=16)
+  optimizer = tf_dpadambc.DPAdamBC(query=query, learning_rate=1e-3)
+  model = _model(optimizer)
+  model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+  event = optimizer.dp_event(64)
+  # The query's own event: the sum (σ = 1.1) and the clipped count (whose
+  # records are ±0.5, so its multiplier is stddev / 0.5).
+  step = dp_accounting.ComposedDpEvent([
+      dp_accounting.GaussianDpEvent(1.1),
+      dp_accounting.GaussianDpEvent((16 / 20) / 0.5)])
+  eps = epsilon_lib.epsilon_of_event(event, 1e-5)
+  # (the query computes its multipliers in float32)
+  np.testing.assert_allclose(eps, epsilon_lib.epsilon_of_event(
+      events.sampled_event(step, 64, 16, 4), 1e-5), rtol=1e-5)
+  assert eps > epsilon_lib.epsilon_of_event(
+      events.dp_sgd_event(1.1, 64, 16, 4), 1e-5)
+  assert math.isfinite(eps)
+
+
+@needs_tfp
+def test_noiseless_count_refuses_an_epsilon():
+  query = tf_privacy.QuantileAdaptiveClipSumQuery(
+      initial_l2_norm_clip=1.0, noise_multiplier=1.1,
+      target_unclipped_quantile=0.5, learning_rate=0.2,
+      clipped_count_stddev=0.0, expected_num_records=16)
+  optimizer = tf_dpadambc.DPAdam(query=query)
+  _model(optimizer).fit(X, Y, batch_size=16, epochs=1, verbose=0)
+  with pytest.raises(queries.NotAccountable, match="not private"):
+    optimizer.dp_event(64)
+
+
+@needs_tfp
+def test_tree_aggregation_trains_but_refuses_an_epsilon():
+  specs = [tf.TensorSpec(v) for v in [(5, 4), (4,), (4, 2), (2,)]]
+  query = tf_privacy.RestartQuery(
+      tf_privacy.TreeResidualSumQuery.build_l2_gaussian_query(
+          clip_norm=1.0, noise_multiplier=1.1, record_specs=specs),
+      tf_privacy.PeriodicRoundRestartIndicator(period=3))
+  optimizer = tf_dpadambc.DPAdam(query=query, learning_rate=1e-2)
+  model = _model(optimizer, jit_compile=False)
+  before = [w.numpy().copy() for w in model.trainable_variables]
+  model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+  assert optimizer.steps_taken == 8
+  assert any(not np.allclose(b, w.numpy())
+             for b, w in zip(before, model.trainable_variables))
+  with pytest.raises(queries.NotAccountable, match="UnsupportedDpEvent"):
+    optimizer.dp_event(64)
+  # Bias correction needs Φ, which tree aggregation does not give per step.
+  with pytest.raises(ValueError, match="noise std"):
+    _model(tf_dpadambc.DPAdamBC(query=query)).fit(
+        X, Y, batch_size=16, epochs=1, verbose=0)
+
+
+@needs_tfp
+def test_normalized_query_is_not_divided_again():
+  query = tf_privacy.NormalizedQuery(tf_privacy.GaussianSumQuery(0.5, 0.0),
+                                     denominator=16.0)
+  model = _model(tf_dpadambc.DPSGD(query=query, learning_rate=0.3))
+  expected = _reference_sgd_step(model, X[:16], Y[:16], 0.5, 0.3)
+  model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)
+  for w, e in zip(model.trainable_variables, expected):
+    np.testing.assert_allclose(w.numpy(), e, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_query_uses_are_refused():
+  query = mechanisms.IndependentNoise(1.0, 1.0)
+  with pytest.raises(TypeError, match="not a TF-Privacy DPQuery"):
+    tf_dpadambc.DPAdam(query=object())
+  with pytest.raises(ValueError, match="either query= or l2_norm_clip"):
+    tf_dpadambc.DPAdam(1.0, 1.0, query=query)
+  with pytest.raises(TypeError, match="needs l2_norm_clip"):
+    tf_dpadambc.DPAdam(learning_rate=1e-3)
+  with pytest.raises(ValueError, match="own way"):
+    tf_dpadambc.DPAdamIME(query=query)
+  with pytest.raises(ValueError, match="own way"):
+    tf_dpadambc.DPAdamSTP(query=query)
+  with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+    tf_dpadambc.DPAdam(query=query, gradient_accumulation_steps=2)
+  optimizer = tf_dpadambc.DPAdam(query=query)
+  with pytest.raises(NotImplementedError, match="cannot be serialized"):
+    optimizer.get_config()
+  variable = keras.Variable(np.zeros(3, "float32"))
+  with pytest.raises(TypeError, match="apply_per_unit"):
+    optimizer.apply_private([tf.zeros(3)], 1, 1, [variable])
+
+
+def test_global_seed_warning():
+  tf.random.set_seed(3)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tf_dpadambc.DPAdam(query=mechanisms.IndependentNoise(1.0, 1.0))
+  assert any("global seed" in str(w.message) for w in caught)

@@ -1,0 +1,312 @@
+"""TF-Privacy DPQuery objects as the privatization stage of our optimizers.
+
+Any ``DPQuery`` (``GaussianSumQuery``, ``QuantileAdaptiveClipSumQuery``,
+``NormalizedQuery``, tree aggregation / ``RestartQuery``, or our own
+``mechanisms``) can replace the clipping and the Gaussian noise of a step:
+
+    DPAdamBC(query=QuantileAdaptiveClipSumQuery(...), learning_rate=1e-3)
+
+One logical step then runs the DPQuery protocol on the step's per-unit
+gradients g_u:
+
+    params  = derive_sample_params(state_t)
+    sample  = Σ_u preprocess_record(params, g_u)        (vectorized over u)
+    result, state_{t+1}, event = get_noised_result(sample, state_t)
+    ḡ = result / B     (sum queries; a ``NormalizedQuery`` divides itself)
+
+The global state lives in optimizer variables, read and assigned inside the
+compiled step: adaptive clipping really advances under ``model.fit``
+(TF-Privacy's own Keras optimizers keep it in a Python attribute, so it
+does not — their issue #111).
+
+Accounting: the query's per-step ``DpEvent`` is evaluated (eagerly, from the
+current global state) when ε is asked for, made concrete and composed over
+the run's steps and sampling (``accounting.events.sampled_event``). An event
+that cannot be accounted (``UnsupportedDpEvent`` of tree aggregation, a
+non-private event, one that changes across steps) raises
+:class:`NotAccountable` instead of giving an ε.
+
+Φ (the noise variance per coordinate of ḡ, which bias correction subtracts)
+is read from the global state of the queries whose noise std is known
+(Gaussian sum queries, adaptive clipping, normalized queries, our own
+mechanisms); other queries serve only the variants that do not need Φ.
+
+TF-Privacy itself cannot be imported on TensorFlow ≥ 2.16 without its skip
+flag: :mod:`tf_dpadambc.tf_privacy` imports it.
+"""
+import dp_accounting
+import tensorflow as tf
+
+
+class NotAccountable(ValueError):
+  """The query's DpEvent does not give a trustworthy ε.
+
+  ``not_private`` is True when the event says the release is not private
+  (no noise), False when it is merely beyond dp_accounting (tree
+  aggregation's ``UnsupportedDpEvent``).
+  """
+
+  def __init__(self, message, not_private=False):
+    super().__init__(message)
+    self.not_private = not_private
+
+
+def _class_names(obj):
+  return {c.__name__ for c in type(obj).__mro__}
+
+
+def check_query(query):
+  """``query`` if it implements the DPQuery protocol, else TypeError."""
+  needed = ("initial_global_state", "derive_sample_params",
+            "initial_sample_state", "preprocess_record",
+            "accumulate_preprocessed_record", "get_noised_result")
+  missing = [m for m in needed if not callable(getattr(query, m, None))]
+  if missing:
+    raise TypeError(
+        f"query={query!r} is not a TF-Privacy DPQuery (no {missing}). Pass "
+        "e.g. tf_dpadambc.tf_privacy.GaussianSumQuery(l2_norm_clip, stddev).")
+  return query
+
+
+_PROBE_STEPS = 4
+
+
+def _vectorize_l2_loss():
+  """Gives ``L2Loss`` a vectorization rule: ½Σx² over all but the unit axis.
+
+  Queries clip with ``tf.clip_by_global_norm``, whose ``L2Loss`` has no pfor
+  converter, so ``tf.vectorized_map`` would loop over the units one by one.
+  (TensorFlow-internal registry; without it the loop is slower, not wrong.)
+  """
+  try:
+    from tensorflow.python.ops.parallel_for import pfor  # pylint: disable=g-import-not-at-top
+    @pfor.RegisterPFor("L2Loss")
+    def _l2_loss(pfor_input):  # pylint: disable=unused-variable
+      t = pfor_input.stacked_input(0)
+      return pfor.wrap(0.5 * tf.reduce_sum(
+          tf.square(t), axis=tf.range(1, tf.rank(t))), True)
+  except (ImportError, AttributeError, AssertionError, ValueError):
+    pass  # absent internals, or the rule exists already
+
+
+_vectorize_l2_loss()
+
+
+def _leaf_shapes(state):
+  return [tf.convert_to_tensor(t).shape for t in tf.nest.flatten(state)]
+
+
+class QueryRelease:
+  """A DPQuery driven once per logical step, with its state in variables.
+
+  Args:
+    query: the DPQuery.
+  """
+
+  def __init__(self, query):
+    self.query = check_query(query)
+    names = _class_names(query)
+    # Sum queries accumulate by addition: Σ over the vectorized records is
+    # exactly accumulate_preprocessed_record folded over them.
+    self.sums = ("SumAggregationDPQuery" in names
+                 or "NoiseMechanism" in names)
+    self.normalizes = "NormalizedQuery" in names
+    self._initial_event = None
+    self._varying = None
+
+  # ------------------------------------------------------------ the state
+  def initial_state(self, templates):
+    """The initial global state, eagerly, and which leaves change shape.
+
+    Probes a few releases on a zero sample (discarded) to learn the query's
+    event and which state tensors change shape from step to step (tree
+    aggregation's buffers grow at steps 2, 4, 8, ...): those need variables
+    of unknown shape.
+    """
+    self._record_shapes = [tuple(t.shape) for t in templates]
+    with tf.init_scope():
+      state = self.query.initial_global_state()
+      sample = self.query.initial_sample_state(list(templates))
+      self._shapes = _leaf_shapes(state)
+      probe, event = state, None
+      for _ in range(_PROBE_STEPS):
+        _, probe, step_event = self.query.get_noised_result(sample, probe)
+        event = event or step_event  # the first release's
+        self._shapes = [a.most_specific_compatible_shape(b) for a, b in zip(
+            self._shapes, _leaf_shapes(probe))]
+      try:
+        self._initial_event = self._concrete(event)
+      except NotAccountable as e:
+        self._initial_event = e  # raised when an ε is asked for
+    return state
+
+  @property
+  def is_private(self):
+    """False when the query's event says it adds no noise (known after
+    :meth:`initial_state`)."""
+    return not getattr(self._initial_event, "not_private", False)
+
+  @property
+  def state_shapes(self):
+    """Per leaf of the global state, its shape over steps (None where a
+    dimension grows)."""
+    return self._shapes
+
+  # ----------------------------------------------------------- one step
+  def sample_state(self, state, per_unit_records, templates, unit_mask=None):
+    """Σ_u preprocess_record(params_t, g_u) over the units with mask 1.
+
+    Args:
+      state: the global state (tensors).
+      per_unit_records: list of tensors [U, *shape], one per variable.
+      templates: the variables (shapes of one record).
+      unit_mask: optional [U] bool: units to leave out (padding rows of a
+        Poisson batch), which must not count as records (adaptive clipping
+        would count them as unclipped).
+    """
+    params = self.query.derive_sample_params(state)
+    records = list(per_unit_records)
+    preprocessed = tf.vectorized_map(
+        lambda r: self.query.preprocess_record(params, r), records,
+        fallback_to_while_loop=True)
+    flat = tf.nest.flatten(preprocessed)
+    if unit_mask is not None:
+      flat = [tf.where(tf.reshape(unit_mask, [-1] + [1] * (t.shape.rank - 1)),
+                       t, tf.zeros_like(t)) for t in flat]
+    initial = self.query.initial_sample_state(list(templates))
+    if self.sums:
+      summed = [tf.reduce_sum(t, axis=0) for t in flat]
+      return tf.nest.map_structure(
+          tf.add, initial,
+          tf.nest.pack_sequence_as(initial, [
+              tf.cast(s, i.dtype) for s, i in zip(
+                  summed, tf.nest.flatten(initial))]))
+    stacked = tf.nest.pack_sequence_as(preprocessed, flat)
+    return tf.foldl(self.query.accumulate_preprocessed_record, stacked,
+                    initializer=initial)
+
+  def release(self, sample_state, state, num_units):
+    """(private mean ḡ as a list, new global state, Φ or None).
+
+    ḡ = result / B for sum queries (B = ``num_units``), the result itself
+    for a ``NormalizedQuery``; Φ = (noise std / B)² where the std is known.
+    """
+    result, new_state, _ = self.query.get_noised_result(sample_state, state)
+    result = tf.nest.flatten(result)
+    std, denominator = self.noise_stddev(state), None
+    if self.normalizes:
+      denominator = tf.cast(self.query._denominator, tf.float32)  # pylint: disable=protected-access
+    else:
+      denominator = tf.cast(num_units, tf.float32)
+      result = [r / tf.cast(denominator, r.dtype) for r in result]
+    phi = None if std is None else tf.square(std / denominator)
+    return result, new_state, phi
+
+  def noise_stddev(self, state, query=None):
+    """Std of the noise the query adds to the sum, or None if unknown."""
+    query = self.query if query is None else query
+    names = _class_names(query)
+    if "NormalizedQuery" in names:
+      return self.noise_stddev(state.numerator_state,
+                               query._numerator)  # pylint: disable=protected-access
+    if "QuantileAdaptiveClipSumQuery" in names:
+      return tf.cast(state.sum_state.stddev, tf.float32)
+    if "GaussianSumQuery" in names or "NoiseMechanism" in names:
+      if "CorrelatedNoise" in names:
+        return None  # its per-step variance varies; use noise= instead
+      return tf.cast(state.stddev, tf.float32)
+    return None
+
+  def metrics(self, state):
+    """The query's own metrics (e.g. the adaptive clip norm)."""
+    derive = getattr(self.query, "derive_metrics", None)
+    return dict(derive(state)) if derive else {}
+
+  # --------------------------------------------------------- accounting
+  def step_event(self, state, divisor=1.0):
+    """The concrete DpEvent of one release from ``state``.
+
+    ``divisor`` divides every Gaussian noise multiplier: 2 where a unit holds
+    several examples (add/remove of one example moves a microbatch's record
+    by up to twice its bound). Raises :class:`NotAccountable`.
+    """
+    with tf.init_scope():
+      sample = self.query.initial_sample_state(
+          [tf.zeros(s) for s in self._record_shapes])
+      _, _, event = self.query.get_noised_result(sample, state)
+      event = self._concrete(event)
+    if isinstance(self._initial_event, NotAccountable):
+      raise self._initial_event
+    if event != self._initial_event:
+      raise NotAccountable(
+          f"The DpEvent of {type(self.query).__name__} changed during "
+          f"training ({self._initial_event} at the start, {event} now): "
+          "tf_dpadambc composes one per-step event and refuses to report an "
+          "ε for a query whose privacy varies by step. Account it yourself "
+          "with dp_accounting.")
+    return _divide(event, divisor)
+
+  def _concrete(self, event):
+    try:
+      return _concrete(event)
+    except NotAccountable as e:
+      raise NotAccountable(
+          f"{type(self.query).__name__} reports {event!r}, which "
+          f"dp_accounting cannot turn into an ε ({e}). tf_dpadambc refuses "
+          "to print an ε for it rather than a wrong one. Tree aggregation "
+          "(DP-FTRL) needs its own analysis: use noise=CorrelatedNoise(...) "
+          "with a tree or banded strategy, which tf_dpadambc accounts, or "
+          "account the run yourself.", e.not_private) from None
+
+
+def _number(value):
+  return float(tf.get_static_value(value) if tf.is_tensor(value) else value)
+
+
+def _concrete(event):
+  """A copy of ``event`` with Python numbers; NotAccountable if impossible."""
+  if isinstance(event, (dp_accounting.GaussianDpEvent,
+                        dp_accounting.LaplaceDpEvent)):
+    multiplier = _number(event.noise_multiplier)
+    if not multiplier > 0:
+      raise NotAccountable(f"a {type(event).__name__} with noise multiplier "
+                           f"{multiplier} is not private", not_private=True)
+    return type(event)(multiplier)
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    return dp_accounting.ComposedDpEvent([_concrete(e) for e in event.events])
+  if isinstance(event, dp_accounting.SelfComposedDpEvent):
+    return dp_accounting.SelfComposedDpEvent(_concrete(event.event),
+                                             int(_number(event.count)))
+  if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+    return dp_accounting.PoissonSampledDpEvent(
+        _number(event.sampling_probability), _concrete(event.event))
+  if isinstance(event, dp_accounting.NoOpDpEvent):
+    return event
+  if isinstance(event, dp_accounting.NonPrivateDpEvent):
+    raise NotAccountable("the query is not private", not_private=True)
+  if isinstance(event, dp_accounting.UnsupportedDpEvent):
+    raise NotAccountable("UnsupportedDpEvent")
+  raise NotAccountable(f"no rule for {type(event).__name__}")
+
+
+def _divide(event, divisor):
+  """Every Gaussian multiplier divided by ``divisor`` (sensitivity × divisor)."""
+  if divisor == 1:
+    return event
+  if isinstance(event, dp_accounting.GaussianDpEvent):
+    return dp_accounting.GaussianDpEvent(event.noise_multiplier / divisor)
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    return dp_accounting.ComposedDpEvent(
+        [_divide(e, divisor) for e in event.events])
+  if isinstance(event, dp_accounting.SelfComposedDpEvent):
+    return dp_accounting.SelfComposedDpEvent(_divide(event.event, divisor),
+                                             event.count)
+  if isinstance(event, dp_accounting.PoissonSampledDpEvent):
+    return dp_accounting.PoissonSampledDpEvent(
+        event.sampling_probability, _divide(event.event, divisor))
+  if isinstance(event, dp_accounting.NoOpDpEvent):
+    return event
+  raise NotAccountable(
+      f"units of several examples double the sensitivity, and "
+      f"{type(event).__name__} has no rule to account that: use "
+      "num_microbatches=None with this query.")
