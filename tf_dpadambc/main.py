@@ -4,6 +4,7 @@
     python -m tf_dpadambc --quick         # smoke-size run (< 1 minute)
     python -m tf_dpadambc --dataset digits --epsilon 4
     tf-dpadambc --help
+    tf-dpadambc compare --help            # any variants, a report with plots
 
 Calibrates the noise multiplier σ for the target ε with
 :func:`tf_dpadambc.compute_noise_multiplier`, then trains the same small
@@ -123,7 +124,7 @@ class _DropMessages(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_logs():
+def quiet_logs():
   """Hides a harmless, repetitive warning while the job runs.
 
   dp_accounting's RDP solver: "_compute_log_a_frac failed to converge ...
@@ -191,15 +192,10 @@ def format_table(results, header):
                    + [line(row) for row in rows[1:]] + [rule])
 
 
-def parse_args(argv):
-  parser = argparse.ArgumentParser(
-      prog="tf-dpadambc",
-      description="Train the same model with DPAdamBC, DPAdam and DPSGD at "
-                  "the same (ε, δ) and compare them.")
-  parser.add_argument("--dataset", choices=sorted(datasets.LOADERS),
-                      default="mnist1d")
+def add_training_arguments(parser, sampling="Poisson sampling"):
+  """The flags the main job and ``compare`` share (all but the data set)."""
   parser.add_argument("--epsilon", type=float, default=8.0,
-                      help="target ε (Poisson sampling, RDP); default 8")
+                      help=f"target ε ({sampling}, RDP); default 8")
   parser.add_argument("--delta", type=float, default=1e-5)
   parser.add_argument("--epochs", type=int, default=None)
   parser.add_argument("--batch-size", type=int, default=None)
@@ -212,8 +208,6 @@ def parse_args(argv):
                       help="makes the DP noise reproducible (debugging only: "
                            "anyone who knows it can remove the noise); "
                            "default: a secret seed from the OS")
-  parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS,
-                      default=list(OPTIMIZERS))
   parser.add_argument("--quick", action="store_true",
                       help="smoke-size run: 2 epochs on 1,000 examples")
   parser.add_argument("--jit-compile", action=argparse.BooleanOptionalAction,
@@ -223,30 +217,52 @@ def parse_args(argv):
                            "longer than training)")
   parser.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
                       help="Keras fit verbosity (1: progress bar)")
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(
+      prog="tf-dpadambc",
+      description="Train the same model with DPAdamBC, DPAdam and DPSGD at "
+                  "the same (ε, δ) and compare them.",
+      epilog="tf-dpadambc compare --help: any variants, data sets, and a "
+             "report with plots.")
+  parser.add_argument("--dataset", choices=sorted(datasets.LOADERS),
+                      default="mnist1d")
+  parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS,
+                      default=list(OPTIMIZERS))
+  add_training_arguments(parser)
   return parser.parse_args(argv)
 
 
 def main(argv=None):
-  """Runs the job; ``argv`` as on the command line (default ``sys.argv``)."""
+  """Runs the job; ``argv`` as on the command line (default ``sys.argv``).
+
+  ``compare`` as the first argument runs :mod:`tf_dpadambc.compare`.
+  """
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["compare"]:
+    from tf_dpadambc import compare  # pylint: disable=import-outside-toplevel
+    return compare.main(argv[1:])
   start = time.time()
-  args = parse_args(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)
   if args.jit_compile is None:
     args.jit_compile = not args.quick
-  with _quiet_logs():
+  with quiet_logs():
     _run(args)
   print(f"\nTotal wall-clock time: {time.time() - start:.0f} s.")
   return 0
 
 
-def _run(args):
-  config = QUICK if args.quick else DEFAULTS[args.dataset]
+def training_config(args, default):
+  """``default`` (``QUICK`` with --quick), overridden by the flags given."""
+  config = QUICK if args.quick else default
   given = {"epochs": args.epochs, "batch_size": args.batch_size,
            "l2_norm_clip": args.l2_norm_clip}
-  config = config._replace(**{k: v for k, v in given.items()
-                              if v is not None})
+  return config._replace(**{k: v for k, v in given.items() if v is not None})
 
-  loader = datasets.LOADERS[args.dataset]
-  data = loader(seed=args.seed)
+
+def check_training_data(data, config):
+  """Keeps the first ``config.train_examples``; checks batch and epochs."""
   if config.train_examples:
     data = data._replace(x_train=data.x_train[:config.train_examples],
                          y_train=data.y_train[:config.train_examples])
@@ -255,6 +271,14 @@ def _run(args):
     raise SystemExit(f"--batch-size must be in [1, {num_examples}].")
   if config.epochs < 1:
     raise SystemExit("--epochs must be ≥ 1.")
+  return data
+
+
+def _run(args):
+  config = training_config(args, DEFAULTS[args.dataset])
+  loader = datasets.LOADERS[args.dataset]
+  data = check_training_data(loader(seed=args.seed), config)
+  num_examples = len(data.y_train)
   steps = config.epochs * math.ceil(num_examples / config.batch_size)
   # Counts the epochs · ceil(N/B) steps fit takes.
   sigma = tf_dpadambc.compute_noise_multiplier(

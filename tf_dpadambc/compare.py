@@ -1,0 +1,611 @@
+"""``tf-dpadambc compare``: DP optimizers side by side at the same (ε, δ).
+
+    tf-dpadambc compare                          # MNIST-1D, ε = 8, 3 variants
+    tf-dpadambc compare --quick                  # smoke run (< 1 minute)
+    tf-dpadambc compare --variants DPAdamBC DPAdamSTP DPRMSPropBC \\
+        --dataset digits --epsilon 4 --out report/
+    tf-dpadambc compare --dataset my_data.npz    # x_train, y_train, x_test, y_test
+    python -m tf_dpadambc compare --help
+
+Calibrates σ once for the target ε, then trains the main job's model
+(:func:`tf_dpadambc.main.build_model`), from the same initial weights and in
+the same batch order, with every variant asked for. All private variants
+share C, σ, the batch size and the number of steps, hence the same guarantee;
+each one's ε is nevertheless recomputed from its own ``dp_event``. Test
+accuracy and loss, ε and the optimizer's diagnostics are recorded every
+``--eval-every`` steps. Written to ``--out`` (default
+``./dp-compare-<dataset>``):
+
+* ``results.md`` and ``results.csv``: one row per variant (test accuracy and
+  loss, ε, δ, σ, steps, wall time);
+* ``history.csv``: every evaluation step of every variant;
+* ``accuracy_loss_vs_steps.png``, ``accuracy_loss_vs_epsilon.png`` and
+  ``diagnostics.png`` (v̂/Φ, clamped and negative-v̂ fractions, for the
+  variants that report them).
+
+ε is by default for each example used once per epoch (``--sampling
+shuffle``): the guarantee of ``model.fit``'s shuffled fixed-size batches. It
+does not depend on the batch size, so MNIST-1D then defaults to batches of
+1,000 (less noise per step). ``--sampling poisson`` calibrates for Poisson
+sampling instead, with the main job's settings; that smaller ε holds only
+for Poisson-sampled batches, which ``model.fit`` does not draw.
+
+Non-private baselines (``Adam``, ``SGD``, ``NoiselessPreconditionerAdam``)
+are trained only when asked for by name, and are marked NOT PRIVATE.
+"""
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+from scipy import special
+
+import tf_dpadambc
+from tf_dpadambc import datasets
+from tf_dpadambc import main as main_lib
+from tf_dpadambc.accounting import epsilon as epsilon_lib
+from tf_dpadambc.keras.optimizers import __all__ as _OPTIMIZER_CLASSES
+
+# Variants compare cannot set up on its own, and why.
+UNSUPPORTED = {
+    "DPOptimizer": "the abstract base class of the others",
+    "DPAdamPublicPreconditioner": "needs public data or a preconditioner "
+                                  "from side information",
+}
+# Not private: trained only when named. Keras' own optimizers run without
+# per-example clipping; NoiselessPreconditionerAdam keeps a noiseless v.
+NON_PRIVATE = ("Adam", "SGD", "NoiselessPreconditionerAdam")
+PRIVATE = tuple(sorted(set(_OPTIMIZER_CLASSES) - set(UNSUPPORTED)
+                       - set(NON_PRIVATE)))
+VARIANTS = PRIVATE + NON_PRIVATE
+DEFAULT_VARIANTS = main_lib.OPTIMIZERS
+
+# main.TUNED's sweep found DPAdamBC's γ' had to scale with the noise
+# variance Φ = (σC/B)²: its tuned γ' = 1e-5 is Φ/2.5 there (σ = 1.26, B =
+# 250). Scaling it keeps that ratio at other σ, B and C.
+GAMMA_PRIME_OVER_PHI = 0.4
+# Untuned variants borrow the learning rate of the tuned optimizer whose
+# step has the same scale: normalized by √v̂ (Adam, RMSProp) or bias-
+# corrected. AdaGrad's v̂ accumulates, so its steps shrink with t: larger η.
+_LEARNING_RATE_OF = {
+    "DPAdamBC": "DPAdamBC", "DPRMSPropBC": "DPAdamBC",
+    "DPAdamIME": "DPAdam", "DPAdamJME": "DPAdam", "DPAdamSTP": "DPAdam",
+    "DPRMSProp": "DPAdam", "DPRMSPropIME": "DPAdam", "DPRMSPropSTP": "DPAdam",
+    "NoiselessPreconditionerAdam": "DPAdam",
+}
+_UNTUNED = {
+    "DPAdagrad": {"learning_rate": 0.1},
+    "DPAdagradBC": {"learning_rate": 0.1},
+    "DPAdagradIME": {"learning_rate": 0.1},
+    "DPAdagradSTP": {"learning_rate": 0.1},
+    "Adam": {"learning_rate": 1e-3},  # Keras' default
+    "SGD": {"learning_rate": 0.1, "momentum": 0.9},
+}  # DP2RMSProp, DP2Adagrad: their class defaults.
+
+DIAGNOSTICS = ("dp_v_over_phi", "dp_clamped_fraction", "dp_negative_v_fraction")
+_DIAGNOSTIC_LABELS = {
+    "dp_v_over_phi": "mean v̂ / Φ (≈ 1: v̂ is mostly noise)",
+    "dp_clamped_fraction": "fraction clamped (v̂ − Φ < γ')",
+    "dp_negative_v_fraction": "fraction with v̂ < 0",
+}
+# Once-per-epoch ε does not depend on B, so a larger batch cuts the noise
+# variance Φ = (σC/B)² for free. At the main job's B = 250, σ = 4.03 (ε = 8)
+# puts Φ 10x above its tuning point: DPAdamBC/DPAdam/DPSGD reached .38/.38/
+# .10 (DPSGD diverged); at B = 1000, .49/.55/.44 (one run, 160 steps).
+SHUFFLE_DEFAULTS = {
+    "mnist1d": main_lib.DEFAULTS["mnist1d"]._replace(batch_size=1000)}
+# For a user's .npz: MNIST-1D's, with at least 4 batches per epoch.
+NPZ_DATASET = "mnist1d"
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+_EXTRAS_HINT = 'pip install "tf-dpadambc[examples]"'
+
+
+class DatasetError(ValueError):
+  """A data set that compare cannot train on."""
+
+
+def default_hparams(name, noise_variance):
+  """(hyper-parameters, tuned?) of variant ``name`` at noise variance Φ."""
+  tuned = name in main_lib.TUNED
+  if tuned:
+    hparams = dict(main_lib.TUNED[name])
+  elif name in _LEARNING_RATE_OF:
+    kin = main_lib.TUNED[_LEARNING_RATE_OF[name]]
+    hparams = {"learning_rate": kin["learning_rate"]}
+  else:
+    hparams = dict(_UNTUNED.get(name, {}))
+  if name.endswith("BC"):
+    hparams["gamma_prime"] = GAMMA_PRIME_OVER_PHI * noise_variance
+  if name.endswith(("IME", "JME")):
+    # v̂ can reach 0 there, and the step m̂/ε blows up (Ganesh et al. §4.4):
+    # a floor of √Φ caps it at DPAdam's m̂/√v̂ with v̂ ≥ Φ.
+    hparams["denominator_floor"] = math.sqrt(noise_variance)
+  return hparams, tuned
+
+
+def load_npz(path):
+  """A :class:`datasets.Dataset` from a .npz with x_train, y_train, x_test,
+  y_test; ``x`` is flattened to one vector per example."""
+  try:
+    with np.load(path, allow_pickle=False) as f:
+      arrays = {k: f[k] for k in f.files}
+  except (OSError, ValueError) as e:
+    raise DatasetError(f"{path}: cannot read it as a .npz file ({e}).") from e
+  missing = [k for k in NPZ_KEYS if k not in arrays]
+  if missing:
+    raise DatasetError(
+        f"{path}: missing {', '.join(missing)} (a .npz needs "
+        f"{', '.join(NPZ_KEYS)}; found {', '.join(sorted(arrays)) or 'none'}).")
+  for part in ("train", "test"):
+    x, y = arrays[f"x_{part}"], arrays[f"y_{part}"]
+    if x.dtype.kind not in "biuf" or x.ndim < 2 or len(x) == 0:
+      raise DatasetError(
+          f"{path}: x_{part} must be a non-empty numeric array [N, features"
+          f"...]; got dtype {x.dtype}, shape {x.shape}.")
+    if y.ndim != 1 or len(y) != len(x):
+      raise DatasetError(
+          f"{path}: y_{part} must be a 1-D array of {len(x)} class labels "
+          f"(one per row of x_{part}); got shape {y.shape}.")
+    integral = (y.dtype.kind in "iu" or (
+        y.dtype.kind == "f" and np.all(np.isfinite(y)) and
+        np.all(y == np.round(y))))
+    if not integral or (len(y) and y.min() < 0):
+      raise DatasetError(f"{path}: y_{part} must hold non-negative integer "
+                         f"class labels; got dtype {y.dtype}.")
+    if not np.all(np.isfinite(x)):
+      raise DatasetError(f"{path}: x_{part} has non-finite values.")
+  if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
+    raise DatasetError(
+        f"{path}: x_train and x_test examples differ in shape: "
+        f"{arrays['x_train'].shape[1:]} vs {arrays['x_test'].shape[1:]}.")
+  flat = {k: (v.reshape(len(v), -1) if k.startswith("x") else v)
+          for k, v in arrays.items()}
+  name = os.path.splitext(os.path.basename(path))[0]
+  return datasets.Dataset(
+      flat["x_train"].astype(np.float32), flat["y_train"].astype(np.int32),
+      flat["x_test"].astype(np.float32), flat["y_test"].astype(np.int32),
+      name)
+
+
+def load_dataset(spec, seed):
+  """``mnist1d``, ``digits`` or a path to a .npz file."""
+  if spec in datasets.LOADERS:
+    return datasets.LOADERS[spec](seed=seed)
+  if spec.endswith(".npz") or os.path.exists(spec):
+    if not os.path.exists(spec):
+      raise DatasetError(f"{spec}: no such file.")
+    return load_npz(spec)
+  raise DatasetError(f"unknown data set {spec!r}: use "
+                     f"{' or '.join(sorted(datasets.LOADERS))}, or a path to "
+                     "a .npz file with " + ", ".join(NPZ_KEYS) + ".")
+
+
+def _variant(name):
+  """argparse type: a variant name, case as in the class."""
+  if name in VARIANTS or name == "all":
+    return name
+  if name in UNSUPPORTED:
+    raise argparse.ArgumentTypeError(
+        f"{name} is not supported by compare: {UNSUPPORTED[name]}.")
+  raise argparse.ArgumentTypeError(
+      f"unknown variant {name!r}; valid: {', '.join(PRIVATE)}; non-private "
+      f"baselines (only when named): {', '.join(NON_PRIVATE)}; or 'all' "
+      "(every private variant).")
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(
+      prog="tf-dpadambc compare",
+      description="Train DP optimizers at the same (ε, δ) (same C, σ, batch "
+                  "size and steps) and write a report: results.md, "
+                  "results.csv, history.csv and PNG plots.",
+      epilog="Private variants: " + ", ".join(PRIVATE) + ". Non-private "
+             "baselines, trained only when named: " + ", ".join(NON_PRIVATE)
+             + ".")
+  parser.add_argument(
+      "--variants", nargs="+", type=_variant, default=list(DEFAULT_VARIANTS),
+      metavar="NAME",
+      help=f"optimizers to compare (default: {' '.join(DEFAULT_VARIANTS)}; "
+           "'all': every private variant)")
+  parser.add_argument(
+      "--dataset", default="mnist1d",
+      help="mnist1d (default; generated locally), digits, or a .npz file "
+           "with x_train, y_train, x_test, y_test (integer labels)")
+  parser.add_argument(
+      "--sampling", choices=("shuffle", "poisson"), default="shuffle",
+      help="what ε assumes: 'shuffle' (default): each example once per "
+           "epoch, the guarantee of model.fit's shuffled batches; 'poisson': "
+           "Poisson-sampled batches, as the main job (model.fit does not "
+           "sample that way: hypothetical)")
+  parser.add_argument("--out", default=None,
+                      help="report folder (default: ./dp-compare-<dataset>)")
+  parser.add_argument("--eval-every", type=int, default=None,
+                      help="steps between evaluations (default: about 40 "
+                           "evaluations per run)")
+  main_lib.add_training_arguments(parser, sampling="see --sampling")
+  args = parser.parse_args(argv)
+  if "all" in args.variants:
+    args.variants = [v for v in args.variants if v != "all"] + list(PRIVATE)
+  args.variants = list(dict.fromkeys(args.variants))  # drops repeats
+  if args.jit_compile is None:
+    args.jit_compile = not args.quick
+  if args.eval_every is not None and args.eval_every < 1:
+    parser.error("--eval-every must be ≥ 1.")
+  return args
+
+
+def _require_matplotlib():
+  try:
+    import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise SystemExit("tf-dpadambc compare draws its plots with matplotlib, "
+                     "an optional dependency: " + _EXTRAS_HINT) from e
+
+
+def evaluate(model, x, y, batch_size=2048):
+  """(accuracy, mean cross-entropy) of the model's logits on (x, y)."""
+  logits = np.concatenate([
+      keras.ops.convert_to_numpy(model(x[i:i + batch_size], training=False))
+      for i in range(0, len(x), batch_size)]).astype(np.float64)
+  log_p = special.log_softmax(logits, axis=1)
+  loss = -np.mean(log_p[np.arange(len(y)), y])
+  return float(np.mean(np.argmax(logits, axis=1) == y)), float(loss)
+
+
+class _Monitor(keras.callbacks.Callback):
+  """Progress bar; every `eval_every` steps, test metrics, ε, diagnostics."""
+
+  def __init__(self, data, eval_every, steps_per_epoch, total_steps,
+               epsilon_at, verbose):
+    super().__init__()
+    self.steps_per_epoch = steps_per_epoch
+    self.data = data
+    self.eval_every = eval_every
+    self.total_steps = total_steps
+    self.epsilon_at = epsilon_at
+    self.history = []
+    self.eval_seconds = 0.0  # kept out of the wall time
+    self.step = 0
+    self.progbar = keras.utils.Progbar(
+        total_steps, verbose=verbose, unit_name="step",
+        stateful_metrics=["loss", "test_acc", "epsilon"])
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.step += 1
+    values = [("loss", float(logs["loss"]))] if logs and "loss" in logs else []
+    if self.step % self.eval_every == 0 or self.step == self.total_steps:
+      start = time.perf_counter()
+      row = self._record(values[0][1] if values else math.nan)
+      self.eval_seconds += time.perf_counter() - start
+      values += [("test_acc", row["test_accuracy"])]
+      if math.isfinite(row["epsilon"]):
+        values += [("epsilon", row["epsilon"])]
+    self.progbar.update(self.step, values)
+
+  def _record(self, train_loss):
+    accuracy, loss = evaluate(self.model, self.data.x_test, self.data.y_test)
+    optimizer = self.model.optimizer
+    diagnostics = (optimizer.diagnostics()
+                   if hasattr(optimizer, "diagnostics") else {})
+    row = {"step": self.step,
+           "epoch": self.step / self.steps_per_epoch,
+           "test_accuracy": accuracy, "test_loss": loss,
+           "train_loss": train_loss, "epsilon": self.epsilon_at(self.step)}
+    row.update({k: float(keras.ops.convert_to_numpy(v))
+                for k, v in diagnostics.items() if k in DIAGNOSTICS})
+    self.history.append(row)
+    return row
+
+
+class Run:
+  """One trained variant: its settings, final metrics and history."""
+
+  def __init__(self, name, private, tuned, hparams, noise_multiplier):
+    self.name = name
+    self.private = private
+    self.tuned = tuned
+    self.hparams = hparams
+    self.noise_multiplier = noise_multiplier
+    self.history = []
+    self.epsilon = math.inf
+    self.seconds = math.nan
+    self.optimizer = None
+
+  @property
+  def test_accuracy(self):
+    return self.history[-1]["test_accuracy"]
+
+  @property
+  def test_loss(self):
+    return self.history[-1]["test_loss"]
+
+  @property
+  def label(self):
+    return self.name if self.private else f"{self.name} (NOT PRIVATE)"
+
+
+def _make_optimizer(name, hparams, config, sigma, noise_seed):
+  if name in ("Adam", "SGD"):
+    return getattr(keras.optimizers, name)(**hparams)
+  return getattr(tf_dpadambc, name)(
+      l2_norm_clip=config.l2_norm_clip, noise_multiplier=sigma,
+      seed=noise_seed, **hparams)
+
+
+def train_variant(name, data, config, sigma, args, eval_every):
+  """Trains a fresh model with variant `name`; returns a :class:`Run`."""
+  phi = (sigma * config.l2_norm_clip / config.batch_size) ** 2
+  hparams, tuned = default_hparams(name, phi)
+  keras.utils.set_random_seed(args.seed)  # same weights and batch order
+  num_classes = int(max(data.y_train.max(), data.y_test.max())) + 1
+  model = main_lib.build_model(data.x_train.shape[1], num_classes)
+  optimizer = _make_optimizer(name, hparams, config, sigma, args.noise_seed)
+  ours = isinstance(optimizer, tf_dpadambc.DPOptimizer)
+  private = ours and optimizer.is_private
+  if ours:  # DP optimizers need the private train step
+    model = tf_dpadambc.make_private(model)
+  run = Run(name, private, tuned, hparams, sigma if ours else None)
+  num_examples = len(data.y_train)
+
+  def epsilon_at(step=None):  # default: the steps taken
+    if not private:
+      return math.inf
+    return epsilon_lib.epsilon_of_event(
+        optimizer.dp_event(num_examples, sampling=args.sampling, steps=step),
+        args.delta)
+
+  model.compile(
+      optimizer=optimizer,
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"], jit_compile=args.jit_compile)
+  per_epoch = math.ceil(num_examples / config.batch_size)
+  total = config.epochs * per_epoch
+  monitor = _Monitor(data, eval_every, per_epoch, total, epsilon_at,
+                     verbose=1 if args.verbose else 0)
+  start = time.perf_counter()
+  model.fit(data.x_train, data.y_train, batch_size=config.batch_size,
+            epochs=config.epochs, verbose=0, callbacks=[monitor])
+  run.seconds = time.perf_counter() - start - monitor.eval_seconds
+  run.history = monitor.history
+  run.epsilon = epsilon_at()
+  run.optimizer = optimizer
+  return run
+
+
+# ------------------------------------------------------------------ report
+_COLUMNS = ("variant", "private", "hyper-parameters", "test accuracy",
+            "test loss", "epsilon", "delta", "sigma", "steps", "wall time (s)")
+
+
+def _format_hparams(run):
+  text = ", ".join(f"{k}={v:.3g}" for k, v in sorted(run.hparams.items()))
+  return f"{text or 'class defaults'} ({'tuned' if run.tuned else 'untuned'})"
+
+
+def _row(run, delta, steps):
+  return {
+      "variant": run.name,
+      "private": "yes" if run.private else "NO",
+      "hyper-parameters": _format_hparams(run),
+      "test accuracy": f"{run.test_accuracy:.4f}",
+      "test loss": f"{run.test_loss:.4f}",
+      "epsilon": f"{run.epsilon:.4f}" if run.private else "inf",
+      "delta": f"{delta:g}",
+      "sigma": ("" if run.noise_multiplier is None
+                else f"{run.noise_multiplier:.4f}"),
+      "steps": str(steps),
+      "wall time (s)": f"{run.seconds:.1f}",
+  }
+
+
+def write_csv(path, runs, delta, steps):
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    writer = csv.DictWriter(f, fieldnames=_COLUMNS)
+    writer.writeheader()
+    for run in runs:
+      writer.writerow(_row(run, delta, steps))
+
+
+def write_history(path, runs):
+  fields = ["variant", "step", "epoch", "test_accuracy", "test_loss",
+            "train_loss", "epsilon", *DIAGNOSTICS]
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    writer = csv.DictWriter(f, fieldnames=fields, restval="")
+    writer.writeheader()
+    for run in runs:
+      for row in run.history:
+        writer.writerow({"variant": run.name, **row})
+
+
+def markdown_table(runs, delta, steps):
+  lines = ["| " + " | ".join(_COLUMNS) + " |",
+           "|" + "|".join("---" if i < 3 else "---:"
+                          for i in range(len(_COLUMNS))) + "|"]
+  for run in runs:
+    row = _row(run, delta, steps)
+    row["variant"] = (f"**{run.name}**" if run.private
+                      else f"{run.name} (**NOT PRIVATE**)")
+    if not run.private:
+      row["epsilon"] = "∞"
+    row["sigma"] = row["sigma"] or "—"
+    lines.append("| " + " | ".join(row[c] for c in _COLUMNS) + " |")
+  return "\n".join(lines)
+
+
+def _figure(ncols):
+  # Agg canvas, no pyplot: no global backend state, works headless.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
+  figure = Figure(figsize=(5.5 * ncols, 4), layout="constrained")
+  FigureCanvasAgg(figure)
+  return figure, figure.subplots(1, ncols, squeeze=False)[0]
+
+
+def _plot(axes, runs, x_key, y_keys, labels, x_label, log_y=()):
+  for ax, key, label in zip(axes, y_keys, labels):
+    for run in runs:
+      xs = [r[x_key] for r in run.history if key in r]
+      ys = [r[key] for r in run.history if key in r]
+      if xs:
+        ax.plot(xs, ys, marker="." if len(xs) < 60 else None,
+                linestyle="-" if run.private else "--", label=run.label)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(label)
+    values = [r[key] for run in runs for r in run.history if key in r]
+    if key in log_y and values and min(values) > 0 and (
+        max(values) > 10 * min(values)):  # else log ticks are unreadable
+      ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def write_plots(out_dir, runs, title):
+  """Writes the PNGs; returns {file name: caption}."""
+  written = {}
+
+  def save(figure, name, caption):
+    figure.suptitle(title, fontsize="medium")
+    figure.savefig(os.path.join(out_dir, name), dpi=110)
+    written[name] = caption
+
+  figure, axes = _figure(2)
+  _plot(axes, runs, "step", ["test_accuracy", "test_loss"],
+        ["test accuracy", "test loss"], "step")
+  save(figure, "accuracy_loss_vs_steps.png", "Test accuracy and loss vs steps")
+  private = [r for r in runs if r.private]
+  if private:
+    figure, axes = _figure(2)
+    _plot(axes, private, "epsilon", ["test_accuracy", "test_loss"],
+          ["test accuracy", "test loss"], "ε spent so far")
+    save(figure, "accuracy_loss_vs_epsilon.png",
+         "Test accuracy and loss vs ε spent (private variants)")
+  keys = [k for k in DIAGNOSTICS if any(k in r.history[-1] for r in runs)]
+  if keys:
+    figure, axes = _figure(len(keys))
+    _plot(axes, [r for r in runs if any(k in r.history[-1] for k in keys)],
+          "step", keys, [_DIAGNOSTIC_LABELS[k] for k in keys], "step",
+          log_y=("dp_v_over_phi",))
+    save(figure, "diagnostics.png",
+         "Optimizer diagnostics at each evaluation step (last step's value)")
+  return written
+
+
+def write_report(out_dir, runs, data, config, sigma, args, steps, header):
+  os.makedirs(out_dir, exist_ok=True)
+  write_csv(os.path.join(out_dir, "results.csv"), runs, args.delta, steps)
+  write_history(os.path.join(out_dir, "history.csv"), runs)
+  plots = write_plots(out_dir, runs, f"{data.name}: {header}")
+  table = markdown_table(runs, args.delta, steps)
+  private = [r for r in runs if r.private]
+  lines = [f"# DP optimizers at the same (ε, δ): {data.name}", "",
+           _settings_text(data, config, sigma, args, steps), "", table, "",
+           "Hyper-parameters: *tuned*: the main job's (`tf-dpadambc`), tuned "
+           "on MNIST-1D at ε = 8 (Poisson), with γ' scaled to Φ = (σC/B)²; "
+           "*untuned*: borrowed from the tuned optimizer of the same step "
+           "scale, or the class defaults. Wall time: `fit` including XLA "
+           "compilation, excluding the periodic evaluations. Test accuracy "
+           "and loss after the last step.", ""]
+  if len(runs) > len(private):
+    lines += ["Rows marked NOT PRIVATE were trained without a privacy "
+              "guarantee (ε = ∞), as baselines only.", ""]
+  lines += ["## Plots", ""]
+  lines += [f"![{caption}]({name})" for name, caption in plots.items()]
+  if private:
+    lines += ["", f"## Privacy statement ({private[0].name})", "",
+              "Every private row has this guarantee.", "", "```",
+              tf_dpadambc.optimizer_privacy_statement(
+                  private[0].optimizer, len(data.y_train), args.delta),
+              "```"]
+  with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  return table
+
+
+def _sampling_text(sampling):
+  return ("each example once per epoch (what model.fit's shuffled batches "
+          "give)" if sampling == "shuffle" else
+          "Poisson sampling (hypothetical: model.fit does not sample that "
+          "way)")
+
+
+def _settings_text(data, config, sigma, args, steps):
+  eps = epsilon_lib.compute_epsilon(
+      len(data.y_train), config.batch_size, config.epochs, sigma, args.delta,
+      sampling=args.sampling)
+  return (
+      f"{data.name}{' (--quick)' if args.quick else ''}: "
+      f"{len(data.y_train):,} train / {len(data.y_test):,} test examples, "
+      f"{data.x_train.shape[1]} features; the main job's Conv1D model, same "
+      f"initial weights and batch order for every variant. Every private "
+      f"variant: C = {config.l2_norm_clip:g}, σ = {sigma:.4f}, batch "
+      f"{config.batch_size}, {config.epochs} epochs = {steps:,} steps: "
+      f"ε = {eps:.4f} at δ = {args.delta:g} (target {args.epsilon:g}; RDP "
+      f"accountant, {_sampling_text(args.sampling)}).")
+
+
+def training_config(args, num_examples):
+  """Epochs, batch size and C of the run: the defaults, then the flags."""
+  npz = args.dataset not in datasets.LOADERS
+  defaults = dict(main_lib.DEFAULTS)
+  if args.sampling == "shuffle":
+    defaults.update(SHUFFLE_DEFAULTS)
+  config = main_lib.training_config(
+      args, defaults[NPZ_DATASET if npz else args.dataset])
+  if npz and args.batch_size is None:
+    n = min(num_examples, config.train_examples or num_examples)
+    config = config._replace(
+        batch_size=max(1, min(config.batch_size, n // 4)))
+  return config
+
+
+def _eval_every(args, steps):
+  return args.eval_every or max(1, math.ceil(steps / 40))
+
+
+def run(args):
+  """Trains every variant and writes the report; returns the runs."""
+  data = load_dataset(args.dataset, args.seed)
+  config = training_config(args, len(data.y_train))
+  data = main_lib.check_training_data(data, config)
+  num_examples = len(data.y_train)
+  steps = config.epochs * math.ceil(num_examples / config.batch_size)
+  sigma = tf_dpadambc.compute_noise_multiplier(
+      num_examples, config.batch_size, config.epochs, args.epsilon,
+      args.delta, sampling=args.sampling)
+  print(_settings_text(data, config, sigma, args, steps), flush=True)
+  for name in args.variants:
+    if name in NON_PRIVATE:
+      print(f"WARNING: {name} is NOT PRIVATE: trained as a baseline only, "
+            "because it was asked for by name.", flush=True)
+  runs = []
+  for name in args.variants:
+    print(f"\n== {name} ==", flush=True)
+    runs.append(train_variant(name, data, config, sigma, args,
+                              _eval_every(args, steps)))
+  out_dir = args.out or f"dp-compare-{data.name}"
+  header = (f"C = {config.l2_norm_clip:g}, σ = {sigma:.3f}, B = "
+            f"{config.batch_size}, δ = {args.delta:g}")
+  table = write_report(out_dir, runs, data, config, sigma, args, steps,
+                       header)
+  print("\n" + table)
+  print(f"\nReport written to {os.path.abspath(out_dir)}/ (results.md, "
+        "results.csv, history.csv, PNG plots).")
+  return runs
+
+
+def main(argv=None):
+  """``tf-dpadambc compare``; ``argv`` without the subcommand."""
+  start = time.time()
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  _require_matplotlib()  # before training, not after
+  with main_lib.quiet_logs():
+    try:
+      run(args)
+    except DatasetError as e:
+      raise SystemExit(f"tf-dpadambc compare: error: {e}") from e
+  print(f"\nTotal wall-clock time: {time.time() - start:.0f} s.")
+  return 0
