@@ -1,0 +1,429 @@
+"""The tf_keras (Keras 2) adapter: same update, noise and clipping as Keras 3."""
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+tf_keras = pytest.importorskip(
+    "tf_keras", reason="tf_keras is not installed (pip install tf-keras)")
+
+import tf_dpadambc  # noqa: E402
+from tf_dpadambc import tf_keras as dptk  # noqa: E402
+from tf_dpadambc.tf_keras import _compat  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LOSS = tf_keras.losses.SparseCategoricalCrossentropy(
+    from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
+
+
+def _quiet(fn, *args, **kwargs):
+  """Runs fn without the noise_multiplier=0 / retracing warnings."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return fn(*args, **kwargs)
+
+
+def _mlp(seed=0):
+  tf_keras.utils.set_random_seed(seed)
+  return tf_keras.Sequential([
+      tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
+      tf_keras.layers.Dense(3)])
+
+
+def _data(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(n, 4)).astype("float32"),
+          rng.integers(0, 3, size=n).astype("int32"))
+
+
+def _unit_gradients(model, x, y, microbatches):
+  """Per-unit gradients by a plain GradientTape loop (microbatch means)."""
+  units = microbatches or len(x)
+  size = len(x) // units
+  out = []
+  for u in range(units):
+    part = slice(u * size, (u + 1) * size)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(LOSS(y[part], model(x[part], training=True)))
+    out.append([g.numpy() for g in
+                tape.gradient(loss, model.trainable_variables)])
+  return out
+
+
+def _clipped_sum(unit_grads, clip):
+  """Σ_u g_u·min(1, C/‖g_u‖) in NumPy."""
+  total = [np.zeros_like(g) for g in unit_grads[0]]
+  for grads in unit_grads:
+    norm = np.sqrt(sum(float((g ** 2).sum()) for g in grads))
+    total = [t + g * min(1.0, clip / norm) for t, g in zip(total, grads)]
+  # float32 like the model: the noise is drawn in the clipped sum's dtype.
+  return [t.astype("float32") for t in total]
+
+
+def _global_norm(arrays):
+  return np.sqrt(sum(float((a ** 2).sum()) for a in arrays))
+
+
+# -------------------------------------------------- update = reference
+@pytest.mark.parametrize("name, kwargs, microbatches", [
+    ("DPAdamBC", {"learning_rate": 0.01, "gamma_prime": 1e-6}, None),
+    ("DPAdamBC", {"learning_rate": 0.01, "gamma_prime": 1e-6}, 4),
+    ("DPSGD", {"learning_rate": 0.5, "momentum": 0.9}, 4),
+])
+def test_fit_matches_keras3_optimizer_on_reference_clipped_sums(
+    name, kwargs, microbatches):
+  """Two fit steps (σ > 0, fixed seed) = the Keras 3 optimizer fed clipped
+  sums from a per-unit GradientTape loop with NumPy clipping."""
+  x, y = _data(16)
+  model = _mlp()
+  init = [w.numpy() for w in model.trainable_variables]
+  norms = [_global_norm(g) for g in _unit_gradients(model, x[:8], y[:8],
+                                                      microbatches)]
+  clip = float(np.median(norms))  # some units clipped, some not
+  config = dict(l2_norm_clip=clip, noise_multiplier=0.7, seed=3,
+                num_microbatches=microbatches, **kwargs)
+  optimizer = getattr(dptk, name)(**config)
+  model.compile(optimizer=optimizer, loss=LOSS)
+  _quiet(model.fit, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+  reference = getattr(tf_dpadambc, name)(**config)
+  ref_model = _mlp()
+  ref_vars = [keras.Variable(w) for w in init]
+  for step in range(2):
+    ref_model.set_weights([v.numpy() for v in ref_vars])
+    part = slice(8 * step, 8 * step + 8)
+    unit_grads = _unit_gradients(ref_model, x[part], y[part], microbatches)
+    reference.apply_private(_clipped_sum(unit_grads, clip), len(unit_grads),
+                            8, ref_vars)
+  assert optimizer.steps_taken == 2
+  for got, want, start in zip(model.trainable_variables, ref_vars, init):
+    assert not np.allclose(got.numpy(), start)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-5,
+                               atol=2e-6)
+
+
+def test_sgd_step_is_numpy_formula_without_noise():
+  """θ ← θ − η Σ_u clip_C(g_u) / U exactly, with σ = 0 (microbatches of 2)."""
+  x, y = _data(8)
+  model = _mlp(1)
+  init = [w.numpy() for w in model.trainable_variables]
+  expected_sum = _clipped_sum(_unit_gradients(model, x, y, 4), 0.2)
+  optimizer = _quiet(dptk.DPKerasSGDOptimizer, 0.2, 0.0, 4, 1, 0.3)
+  model.compile(optimizer=optimizer, loss=LOSS)
+  _quiet(model.fit, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  for got, start, s in zip(model.trainable_variables, init, expected_sum):
+    np.testing.assert_allclose(got.numpy(), start - 0.3 * s / 4, rtol=1e-5,
+                               atol=1e-7)
+
+
+# ---------------------------------------------------------- the noise
+@pytest.mark.parametrize("microbatches, accumulation, units, releases", [
+    (None, 1, 20, 2),   # 2 steps of 20 examples
+    (5, 1, 5, 2),       # 2 steps of 5 microbatches
+    (None, 2, 40, 1),   # 1 logical step over 2 batches: noise drawn once
+])
+def test_noise_std_is_sigma_c_over_units(microbatches, accumulation, units,
+                                         releases):
+  """With zero gradients the weights move by the noise alone: each release
+  adds N(0, (σC/U)²) per coordinate of the mean (U units per logical step).
+
+  2,000 coordinates: the sample std is within 8% (5 standard errors) of
+  √releases·σC/U, and the mean within 5 standard errors of 0.
+  """
+  sigma, clip = 2.0, 0.5
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([tf_keras.layers.Dense(
+      40, use_bias=False, kernel_initializer="zeros", input_shape=(50,))])
+  # x = 0: every example's gradient w.r.t. the kernel is exactly 0.
+  x = np.zeros((40, 50), "float32")
+  y = np.ones((40, 40), "float32")
+  optimizer = dptk.DPSGD(clip, sigma, learning_rate=1.0, seed=11,
+                         num_microbatches=microbatches,
+                         gradient_accumulation_steps=accumulation)
+  model.compile(optimizer=optimizer, loss=tf_keras.losses.MeanSquaredError(
+      reduction=tf_keras.losses.Reduction.NONE))
+  _quiet(model.fit, x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+  assert optimizer.steps_taken == releases
+  moved = model.trainable_variables[0].numpy().ravel()
+  expected = np.sqrt(releases) * sigma * clip / units
+  assert abs(moved.std() / expected - 1) < 0.08
+  assert abs(moved.mean()) < 5 * expected / np.sqrt(moved.size)
+
+
+# ------------------------------------------------------ the clip bound
+@pytest.mark.parametrize("identical", [False, True])
+def test_huge_loss_examples_move_weights_at_most_lr_times_c(identical):
+  """Losses ~1e12: the step is ‖Δθ‖ ≤ ηC (= ηC when all units agree)."""
+  lr, clip = 0.5, 0.1
+  rng = np.random.default_rng(2)
+  x = 100 * rng.normal(size=(8, 4)).astype("float32")
+  if identical:
+    x[:] = x[0]
+  y = np.full((8, 3), 1e6, "float32")
+  model = _mlp(3)
+  init = [w.numpy() for w in model.trainable_variables]
+  model.compile(optimizer=_quiet(dptk.DPSGD, clip, 0.0, learning_rate=lr),
+                loss=tf_keras.losses.MeanSquaredError(
+                    reduction=tf_keras.losses.Reduction.NONE))
+  _quiet(model.fit, x, y, batch_size=8, epochs=1, verbose=0)
+  step = _global_norm([w.numpy() - s for w, s in
+                       zip(model.trainable_variables, init)])
+  assert step <= lr * clip * (1 + 1e-5)
+  if identical:
+    assert step == pytest.approx(lr * clip, rel=1e-4)
+  else:
+    assert step > 0.1 * lr * clip
+
+
+# ------------------------------------------------------------- misuse
+def test_scalar_loss_is_refused():
+  model = _mlp()
+  model.compile(optimizer=dptk.DPAdamBC(1.0, 1.0),
+                loss=tf_keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  with pytest.raises(ValueError, match=r"scalar loss[\s\S]*Reduction.NONE"):
+    model.fit(*_data(8), batch_size=8, verbose=0)
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_tf_keras_batch_normalization_is_refused(run_eagerly):
+  model = tf_keras.Sequential([
+      tf_keras.layers.Dense(5, input_shape=(4,)),
+      tf_keras.layers.BatchNormalization(),
+      tf_keras.layers.Dense(3)])
+  model.compile(optimizer=dptk.DPSGD(1.0, 1.0), loss=LOSS,
+                run_eagerly=run_eagerly)
+  before = [w.numpy() for w in model.trainable_variables]
+  with pytest.raises(ValueError, match="BatchNormalization.*whole batch"):
+    _quiet(model.fit, *_data(8), batch_size=8, verbose=0)
+  for w, b in zip(model.trainable_variables, before):
+    np.testing.assert_array_equal(w.numpy(), b)
+
+
+def test_keras3_batch_normalization_inside_tf_keras_model_is_refused():
+  class Net(tf_keras.Model):
+    def __init__(self):
+      super().__init__()
+      self.hidden = tf_keras.layers.Dense(5)
+      self.norm = keras.layers.BatchNormalization()
+      self.out = tf_keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+      return self.out(self.norm(self.hidden(x), training=training))
+
+  model = Net()
+  model.compile(optimizer=dptk.DPSGD(1.0, 1.0), loss=LOSS)
+  with pytest.raises(ValueError, match="BatchNormalization"):
+    model.fit(*_data(8), batch_size=8, verbose=0)
+
+
+def _conv_bn_forward():
+  """A model only reachable through its bound __call__ (not a stack local)."""
+  model = tf_keras.Sequential([
+      tf_keras.layers.Conv2D(2, 3, input_shape=(6, 6, 1)),
+      tf_keras.layers.BatchNormalization(),
+      tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+  return model.__call__, model.trainable_variables
+
+
+def test_fused_batch_norm_in_a_traced_custom_step_is_refused():
+  forward, variables = _conv_bn_forward()
+  optimizer = dptk.DPSGD(1.0, 1.0)
+
+  @tf.function
+  def step(x, y):
+    with tf.GradientTape() as tape:
+      loss = LOSS(y, forward(x, training=True))
+    optimizer.minimize(loss, variables, tape=tape)
+
+  with pytest.raises(ValueError, match="batch normalization op"):
+    step(tf.zeros([4, 6, 6, 1]), tf.zeros([4], tf.int32))
+
+
+def test_apply_gradients_is_refused():
+  model = _mlp()
+  optimizer = dptk.DPKerasAdamOptimizer(1.0, 1.0)
+  grads = [tf.zeros_like(v) for v in model.trainable_variables]
+  with pytest.raises(RuntimeError, match="aggregated gradients"):
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def test_custom_loop_minimize_is_private_and_needs_a_tape():
+  x, y = _data(8)
+  model = _mlp()
+  optimizer = dptk.DPSGD(1.0, 1.0, learning_rate=0.1)
+  with tf.GradientTape() as tape:
+    loss = LOSS(y, model(x, training=True))
+  with pytest.raises(ValueError, match="tape"):
+    optimizer.minimize(loss, model.trainable_variables)
+  optimizer.minimize(loss, model.trainable_variables, tape=tape)
+  assert optimizer.steps_taken == 1
+  assert optimizer.logical_batch_size == 8
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: dptk.DPAdamBC(-1.0, 1.0), "l2_norm_clip"),
+    (lambda: dptk.DPAdamBC(1.0, 1.0, gamma_prime=0.0), "gamma_prime"),
+    (lambda: dptk.DPKerasAdamOptimizer(1.0, 1.1, 0), "num_microbatches"),
+    (lambda: dptk.DPKerasAdamOptimizer(1.0, 1.1, amsgrad=True), "amsgrad"),
+    (lambda: dptk.DPKerasSGDOptimizer(1.0, 1.1, None, 1, 0.1, 0.9, False,
+                                      "x"), "positional"),
+    (lambda: dptk.TFKerasDPOptimizer(), "abstract"),
+    (lambda: dptk.DPSGD.wrap(tf_dpadambc.DPAdam(1.0, 1.0)), "wraps DPSGD"),
+])
+def test_invalid_parameters_fail_clearly(make, message):
+  with pytest.raises((ValueError, TypeError), match=message):
+    make()
+
+
+def test_microbatches_must_divide_the_batch():
+  model = _mlp()
+  model.compile(optimizer=dptk.DPSGD(1.0, 1.0, num_microbatches=4),
+                loss=LOSS)
+  with pytest.raises(Exception, match="does not divide"):
+    model.fit(*_data(10), batch_size=10, verbose=0)
+
+
+# ------------------------------------------- config, state, accounting
+def test_every_keras3_class_has_an_adapter_whose_config_round_trips():
+  names = [n for n in tf_dpadambc.keras.optimizers.__all__
+           if n != "DPOptimizer"]
+  for name in names:
+    cls = getattr(dptk, name)
+    assert cls.keras3_class is getattr(tf_dpadambc, name)
+    optimizer = _quiet(cls, 0.7, 1.3, learning_rate=0.02)
+    assert isinstance(optimizer, tf_keras.optimizers.Optimizer)
+    assert isinstance(optimizer.keras_optimizer, cls.keras3_class)
+    config = optimizer.get_config()
+    again = _quiet(cls.from_config, config)
+    assert type(again) is cls and again.get_config() == config
+    restored = _quiet(tf_keras.optimizers.deserialize,
+                      tf_keras.optimizers.serialize(optimizer))
+    assert type(restored) is cls and restored.get_config() == config
+
+
+def test_tf_privacy_signature_maps_to_our_arguments():
+  optimizer = dptk.DPKerasAdamOptimizer(1.5, 1.1, 250, 1, 0.002, 0.8)
+  inner = optimizer.keras_optimizer
+  assert type(inner) is tf_dpadambc.DPAdam
+  assert (inner.l2_norm_clip, inner.noise_multiplier,
+          inner.num_microbatches) == (1.5, 1.1, 250)
+  assert inner.beta_1 == 0.8 and inner.epsilon == 1e-7
+  assert float(optimizer.learning_rate.numpy()) == pytest.approx(0.002)
+  again = dptk.DPKerasAdamOptimizer.from_config(optimizer.get_config())
+  assert type(again) is dptk.DPKerasAdamOptimizer
+  assert again.get_config() == optimizer.get_config()
+  assert type(dptk.DPKerasAdagradOptimizer(1.0, 1.0).keras_optimizer) is (
+      tf_dpadambc.DPAdagrad)
+
+
+def test_accounting_and_privacy_budget_follow_the_run():
+  x, y = _data(48)
+  model = _mlp()
+  optimizer = dptk.DPAdamBC(1.0, 1.2, learning_rate=0.01)
+  model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+  budget = dptk.PrivacyBudget(48, 1e-5)
+  history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                      callbacks=[budget])
+  assert optimizer.steps_taken == 6 and optimizer.iterations.numpy() == 6
+  expected = tf_dpadambc.compute_epsilon(48, 16, 2, 1.2, 1e-5,
+                                         sampling="shuffle")
+  assert history.history["epsilon"][-1] == pytest.approx(expected)
+  assert budget.history[-1] == pytest.approx(expected)
+  statement = tf_dpadambc.optimizer_privacy_statement(optimizer, 48, 1e-5)
+  assert "steps = 6" in statement
+  assert set(optimizer.diagnostics()) == {"dp_v_over_phi",
+                                          "dp_clamped_fraction"}
+
+
+def test_checkpoint_keeps_state_but_not_unnoised_accumulated_sums(tmp_path):
+  x, y = _data(24)
+  model = _mlp()
+  optimizer = dptk.DPAdamBC(1.0, 1.0, gradient_accumulation_steps=2,
+                            seed=5)
+  model.compile(optimizer=optimizer, loss=LOSS)
+  model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+  assert optimizer.steps_taken == 1  # 3 batches: one still accumulated
+  inner = optimizer.keras_optimizer
+  assert any(np.any(s.numpy() != 0) for s in inner._accumulated_sums)
+  path = tf.train.Checkpoint(optimizer=optimizer).save(str(tmp_path / "c"))
+  saved = {tuple(np.ravel(tf.train.load_variable(path, name))[:3])
+           for name, _ in tf.train.list_variables(path)
+           if "optimizer" in name}
+  for secret in inner._accumulated_sums:
+    assert tuple(np.ravel(secret.numpy())[:3]) not in saved
+
+  fresh = dptk.DPAdamBC(1.0, 1.0, gradient_accumulation_steps=2, seed=5)
+  fresh.build(_mlp().trainable_variables)
+  tf.train.Checkpoint(optimizer=fresh).restore(path).assert_consumed()
+  assert fresh.steps_taken == 1
+  for a, b in zip(fresh.variables, optimizer.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_keras_file_round_trip_keeps_the_optimizer_state(tmp_path):
+  x, y = _data(16)
+  model = _mlp()
+  model.compile(optimizer=dptk.DPKerasSGDOptimizer(1.0, 1.0, None, 1, 0.1,
+                                                   0.9), loss=LOSS)
+  model.fit(x, y, batch_size=8, verbose=0)
+  model.save(tmp_path / "m.keras")
+  loaded = tf_keras.models.load_model(tmp_path / "m.keras")
+  assert type(loaded.optimizer) is dptk.DPKerasSGDOptimizer
+  assert loaded.optimizer.steps_taken == 2
+  for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_private_tf_keras_internals_still_exist():
+  """The tf_keras internals _compat relies on (fails when tf_keras moves them)."""
+  assert isinstance(_compat._TFKerasBatchNorm, type)
+  for cls in (tf_keras.layers.BatchNormalization,
+              tf_keras.layers.experimental.SyncBatchNormalization):
+    assert issubclass(cls, _compat._TFKerasBatchNorm)
+
+
+# ------------------------------------------------ the tutorial, Keras 2
+def _run(args, env_extra):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env_extra)
+  return subprocess.run([sys.executable] + args, cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_import_tf_dpadambc_does_not_import_tf_keras():
+  """No module outside tf_dpadambc/tf_keras/ imports tf_keras or this package
+  (statically: a subprocess would cost a TensorFlow import)."""
+  package = ROOT / "tf_dpadambc"
+  for path in package.rglob("*.py"):
+    if (package / "tf_keras") in path.parents:
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module or ""] + [f"{node.module}.{a.name}"
+                                       for a in node.names]
+      elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        names = [node.value] if " " not in node.value else []
+      for name in names:
+        assert not (name == "tf_keras" or name.startswith("tf_keras.")
+                    or name.startswith("tf_dpadambc.tf_keras")), (path, name)
+
+
+def test_tf_privacy_tutorial_runs_on_legacy_keras():
+  proc = _run([str(ROOT / "examples" / "tf_privacy_tutorial_keras.py"),
+               "--num_train=40", "--num_test=20", "--batch_size=20",
+               "--microbatches=20", "--epochs=2"],
+              {"TF_USE_LEGACY_KERAS": "1"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "For delta=1e-5, the current epsilon is:" in proc.stdout
+  assert "steps = 4 (2 epochs)" in proc.stdout  # 4 private steps taken
+  assert "val_accuracy" in proc.stdout
