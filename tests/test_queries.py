@@ -230,3 +230,29 @@ def test_global_seed_warning():
     warnings.simplefilter("always")
     tf_dpadambc.DPAdam(query=mechanisms.IndependentNoise(1.0, 1.0))
   assert any("global seed" in str(w.message) for w in caught)
+
+
+def test_statement_of_a_query_run():
+  optimizer = tf_dpadambc.DPAdam(query=mechanisms.IndependentNoise(1.0, 1.1))
+  _model(optimizer).fit(X, Y, batch_size=16, epochs=2, verbose=0)
+  text = tf_dpadambc.optimizer_privacy_statement(optimizer, 64,
+                                                            1e-5)
+  shuffle = epsilon_lib.epsilon_of_event(
+      events.dp_sgd_event(1.1, 64, 16, 8, "shuffle"), 1e-5)
+  assert "DPQuery IndependentNoise" in text
+  assert f"ε = {shuffle:.3f} if each example is used exactly once" in text
+  assert "does NOT apply" in text
+
+
+@needs_tfp
+def test_statement_refuses_an_unaccountable_epsilon():
+  specs = [tf.TensorSpec(v) for v in [(5, 4), (4,), (4, 2), (2,)]]
+  query = tf_privacy.TreeResidualSumQuery.build_l2_gaussian_query(
+      clip_norm=1.0, noise_multiplier=1.1, record_specs=specs)
+  optimizer = tf_dpadambc.DPSGD(query=query)
+  _model(optimizer, jit_compile=False).fit(X, Y, batch_size=16, epochs=1,
+                                           verbose=0)
+  text = tf_dpadambc.optimizer_privacy_statement(optimizer, 64,
+                                                            1e-5)
+  assert "NO ε" in text and "UnsupportedDpEvent" in text
+  assert "ε = " not in text

@@ -51,6 +51,9 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
   if not batch_size:
     raise ValueError("The optimizer has taken no private step yet; pass "
                      "batch_size.")
+  if getattr(optimizer, "query", None) is not None:
+    return _format_query(optimizer, num_examples, batch_size, delta,
+                         accountant)
   if optimizer.is_correlated:
     return _format_correlated(optimizer, num_examples, batch_size, delta,
                               accountant)
@@ -148,6 +151,37 @@ _ASSUMPTIONS = (
     "example is one individual's data (for users with several examples, "
     "it protects examples, not users), that hyper-parameters were not "
     "tuned on the private data, and that the noise seed stays secret.")
+
+
+def _format_query(optimizer, num_examples, batch_size, delta, accountant):
+  """The statement of a run privatized by a TF-Privacy DPQuery: its own
+  per-step DpEvent, composed; no ε where that event cannot be accounted."""
+  from tf_dpadambc import queries  # pylint: disable=g-import-not-at-top
+  steps = optimizer.steps_taken
+  lines = [
+      "Differential privacy statement (tf_dpadambc), DPQuery "
+      f"{type(optimizer.query.query).__name__}",
+      f"  training examples N = {num_examples:,}, batch size B = {batch_size}"
+      f" (q = B/N = {batch_size / num_examples:.4g}), steps = {steps:,}",
+      f"  δ = {delta:g}; adjacency: adding or removing one training example; "
+      f"accountant: {accountant.upper()} (dp_accounting)",
+  ]
+  try:
+    shuffle, poisson = (epsilon_lib.epsilon_of_event(
+        optimizer.dp_event(num_examples, batch_size, sampling), delta,
+        accountant) for sampling in ("shuffle", "poisson"))
+  except queries.NotAccountable as e:
+    lines.append(f"  NO ε: {e}")
+    return "\n".join(lines)
+  lines += [
+      "  per-step event: the query's own DpEvent "
+      f"({optimizer.query_step_event()})",
+      f"  ε = {shuffle:.3f} if each example is used exactly once per epoch "
+      "(fixed-size batches): the guarantee of this run.",
+      f"  ε = {poisson:.3f} with Poisson sampling does NOT apply to this run "
+      "(its batches were not Poisson samples).",
+      _ASSUMPTIONS]
+  return "\n".join(lines)
 
 
 def _format_correlated(optimizer, num_examples, batch_size, delta,

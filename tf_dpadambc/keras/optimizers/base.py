@@ -393,6 +393,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._query_structure,
         [tf.convert_to_tensor(v) for v in self._query_variables])
 
+  def query_step_event(self):
+    """The DpEvent of one release of the DPQuery, as accounted: Gaussian
+    multipliers halved where units hold several examples (sensitivity 2×).
+    Raises ``queries.NotAccountable`` where no ε can be trusted."""
+    if not self.built:
+      raise ValueError("The query's DpEvent is known after the first step.")
+    return self.query.step_event(
+        self._query_state(),
+        divisor=2 if self._units_hold_several_examples() else 1)
+
   def query_metrics(self):
     """The DPQuery's metrics now (e.g. ``clip``, the adaptive clip norm)."""
     if self.query is None or not self.built:
@@ -763,13 +773,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
     if self.query is not None:
-      if not self.built:
-        raise ValueError("The query's DpEvent is known after the first step.")
-      step_event = self.query.step_event(
-          self._query_state(),
-          divisor=2 if self._units_hold_several_examples() else 1)
       return events.sampled_event(
-          step_event, num_examples, batch_size,
+          self.query_step_event(), num_examples, batch_size,
           self.steps_taken if steps is None else steps,
           {"cyclic": "shuffle"}.get(sampling, sampling),
           self.logical_steps_per_epoch(num_examples))
