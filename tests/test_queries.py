@@ -116,14 +116,18 @@ def test_microbatches_halve_the_query_noise_multiplier():
   assert optimizer.dp_event(64) == events.dp_sgd_event(1.0, 64, 16, 4)
 
 
+def _adaptive(count_stddev, clip=1.0, sigma=1.1, quantile=0.5, rate=0.2):
+  return tf_privacy.QuantileAdaptiveClipSumQuery(
+      initial_l2_norm_clip=clip, noise_multiplier=sigma,
+      target_unclipped_quantile=quantile, learning_rate=rate,
+      clipped_count_stddev=count_stddev, expected_num_records=16)
+
+
 @needs_tfp
 def test_adaptive_clip_advances_inside_compiled_fit():
   # No noise on the count and a target quantile of 0: while every norm is
   # below the clip (C₀ = 1e4), each step multiplies C by exp(-η·(1 − 0)).
-  query = tf_privacy.QuantileAdaptiveClipSumQuery(
-      initial_l2_norm_clip=1e4, noise_multiplier=0.0,
-      target_unclipped_quantile=0.0, learning_rate=0.1,
-      clipped_count_stddev=0.0, expected_num_records=16)
+  query = _adaptive(0.0, clip=1e4, sigma=0.0, quantile=0.0, rate=0.1)
   optimizer = tf_dpadambc.DPAdam(query=query, learning_rate=1e-3)
   model = _model(optimizer, jit_compile=True)
   history = model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
@@ -135,10 +139,7 @@ def test_adaptive_clip_advances_inside_compiled_fit():
 
 @needs_tfp
 def test_adaptive_clip_event_reaches_accounting():
-  query = tf_privacy.QuantileAdaptiveClipSumQuery(
-      initial_l2_norm_clip=1.0, noise_multiplier=1.1,
-      target_unclipped_quantile=0.5, learning_rate=0.2,
-      clipped_count_stddev=16 / 20, expected_num_records=16)
+  query = _adaptive(16 / 20)
   optimizer = tf_dpadambc.DPAdamBC(query=query, learning_rate=1e-3)
   model = _model(optimizer)
   model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
@@ -159,10 +160,7 @@ def test_adaptive_clip_event_reaches_accounting():
 
 @needs_tfp
 def test_noiseless_count_refuses_an_epsilon():
-  query = tf_privacy.QuantileAdaptiveClipSumQuery(
-      initial_l2_norm_clip=1.0, noise_multiplier=1.1,
-      target_unclipped_quantile=0.5, learning_rate=0.2,
-      clipped_count_stddev=0.0, expected_num_records=16)
+  query = _adaptive(0.0)
   optimizer = tf_dpadambc.DPAdam(query=query)
   _model(optimizer).fit(X, Y, batch_size=16, epochs=1, verbose=0)
   with pytest.raises(queries.NotAccountable, match="not private"):
