@@ -30,11 +30,11 @@ Y = (X[:, 0] > 0).astype("int32")
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _model(optimizer, jit_compile=True):
+def _model(optimizer, jit_compile=True, clipping="auto"):
   keras.utils.set_random_seed(7)
   model = tf_dpadambc.make_private(keras.Sequential([
       keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
-      keras.layers.Dense(2)]))
+      keras.layers.Dense(2)]), clipping=clipping)
   model.compile(optimizer=optimizer, loss=LOSS, jit_compile=jit_compile)
   return model
 
@@ -254,3 +254,28 @@ def test_statement_refuses_an_unaccountable_epsilon():
                                                             1e-5)
   assert "NO ε" in text and "UnsupportedDpEvent" in text
   assert "ε = " not in text
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mechanisms.IndependentNoise(0.5, 0.0),
+    pytest.param(lambda: _adaptive(0.0, clip=0.5, sigma=0.0, rate=0.3),
+                 marks=needs_tfp)], ids=["IndependentNoise", "adaptive"])
+def test_l2_clipping_queries_take_ghost_clipping_exactly(make):
+  # Queries that clip by L2 norm get the clipped sum and the norms from
+  # ghost clipping; the query's own preprocess_record on vectorized per-unit
+  # gradients must give the same steps (weights, adaptive clip, metrics).
+  runs = {}
+  for clipping in ("auto", "vectorized"):
+    optimizer = tf_dpadambc.DPAdam(query=make(), learning_rate=1e-2)
+    model = _model(optimizer, clipping=clipping)
+    history = model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
+    runs[clipping] = (model, optimizer, history.history)
+  assert tf_dpadambc.clipping_plan(runs["auto"][0]).fallback is None
+  for a, b in zip(runs["auto"][0].trainable_variables,
+                  runs["vectorized"][0].trainable_variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+  clips = [r[1].query_metrics().get("clip") for r in runs.values()]
+  if clips[0] is not None:
+    assert float(clips[0]) != 0.5  # it adapted
+    np.testing.assert_allclose(float(clips[0]), float(clips[1]), rtol=1e-6)
+  assert 0 < runs["auto"][2]["dp_clipped_fraction"][0] < 1

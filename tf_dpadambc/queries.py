@@ -185,6 +185,55 @@ class QueryRelease:
     return tf.foldl(self.query.accumulate_preprocessed_record, stacked,
                     initializer=initial)
 
+  # ------------------------------------- L2-clipping queries: ghost speed
+  def clip_norm(self, state, query=None):
+    """C_t if the query clips each record to global L2 norm C_t and needs
+    nothing else of a record than the clipped record and its norm; None
+    otherwise (then only :meth:`sample_state` applies).
+
+    Then the train step can clip with ghost norms (no per-unit gradients)
+    and :meth:`sample_from_clipped` builds the same sample state.
+    """
+    query = self.query if query is None else query
+    names = _class_names(query)
+    params = query.derive_sample_params(state)
+    if "NormalizedQuery" in names:
+      return self.clip_norm(state.numerator_state, query._numerator)  # pylint: disable=protected-access
+    if "QuantileAdaptiveClipSumQuery" in names:
+      return params.sum_params
+    if "GaussianSumQuery" in names or "NoiseMechanism" in names:
+      return params
+    return None
+
+  def sample_from_clipped(self, state, clipped_sum, norms, templates,
+                          unit_mask, query=None):
+    """The sample state Σ_u preprocess_record(params, g_u) from Σ_u clip(g_u)
+    and the per-unit norms ‖g_u‖ (only for queries with a :meth:`clip_norm`).
+
+    ``unit_mask`` ([U] bool): the units that are records (real, finite,
+    verified); the clipped sum already excludes the others.
+    """
+    query = self.query if query is None else query
+    names = _class_names(query)
+    if "NormalizedQuery" in names:
+      return self.sample_from_clipped(state.numerator_state, clipped_sum,
+                                      norms, templates, unit_mask,
+                                      query._numerator)  # pylint: disable=protected-access
+    initial = query.initial_sample_state(list(templates))
+    if "QuantileAdaptiveClipSumQuery" in names:
+      # Andrew et al.'s estimator counts the records with ‖g_u‖ ≤ C_t.
+      estimator = query._quantile_estimator_query  # pylint: disable=protected-access
+      params = query.derive_sample_params(state).quantile_estimator_params
+      counts = tf.vectorized_map(
+          lambda norm: estimator.preprocess_record(params, norm),
+          tf.where(unit_mask, norms, tf.zeros_like(norms)))
+      counts = tf.where(unit_mask, counts, tf.zeros_like(counts))
+      return initial._replace(
+          sum_state=_added(initial.sum_state, clipped_sum),
+          quantile_estimator_state=initial.quantile_estimator_state
+          + tf.reduce_sum(counts))
+    return _added(initial, clipped_sum)
+
   def release(self, sample_state, state, num_units):
     """(private mean ḡ as a list, new global state, Φ or None).
 
@@ -257,6 +306,12 @@ class QueryRelease:
           "(DP-FTRL) needs its own analysis: use noise=CorrelatedNoise(...) "
           "with a tree or banded strategy, which tf_dpadambc accounts, or "
           "account the run yourself.", e.not_private) from None
+
+
+def _added(initial, clipped_sum):
+  flat = tf.nest.flatten(initial)
+  return tf.nest.pack_sequence_as(initial, [
+      i + tf.cast(c, i.dtype) for i, c in zip(flat, clipped_sum)])
 
 
 def _number(value):

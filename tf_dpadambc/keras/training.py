@@ -445,21 +445,35 @@ def _apply_across_replicas(strategy, optimizer, result, num_units,
 
 
 def _query_step(model, optimizer, x, y, sample_weight, batch_size):
-  """A step privatized by the optimizer's DPQuery, on per-unit gradients.
+  """A step privatized by the optimizer's DPQuery.
 
-  Units with a non-finite gradient, or whose examples all have weight 0
-  (padding), are not records of the query (they would count as unclipped
-  records in adaptive clipping).
+  Queries that clip by L2 norm (Gaussian sum, adaptive clipping, normalized)
+  take the usual clipped sum (ghost clipping where possible) and the per-unit
+  norms; any other query gets per-unit gradients for its own
+  ``preprocess_record`` (also with clipping="vectorized"). Units with a
+  non-finite gradient, or whose examples all have weight 0 (padding), are
+  not records (adaptive clipping would count them as unclipped).
   """
+  weights = per_example.split_microbatches(
+      _per_example_weights(sample_weight, batch_size),
+      optimizer.num_microbatches)
+  present = tf.reduce_any(tf.not_equal(weights, 0), axis=1)
+  method = getattr(model, _CLIPPING, "auto")
+  spec = (optimizer.query_clip_spec(model.trainable_variables)
+          if method != "vectorized" else None)
+  if spec is not None:
+    result, unit_losses, y_pred = private_gradient_sum(
+        model, x, y, sample_weight, spec, optimizer.num_microbatches, method)
+    optimizer.apply_query_clipped(result, tf.shape(unit_losses)[0],
+                                  batch_size, model.trainable_variables,
+                                  unit_mask=present)
+    return result, unit_losses, y_pred
   grads, unit_losses, y_pred = per_unit_gradients(
       model, x, y, sample_weight, optimizer.num_microbatches)
   finite = tf.reduce_all(tf.stack([
       tf.reduce_all(tf.math.is_finite(tf.reshape(g, [tf.shape(g)[0], -1])),
                     axis=1) for g in grads]), axis=0)
-  weights = per_example.split_microbatches(
-      _per_example_weights(sample_weight, batch_size),
-      optimizer.num_microbatches)
-  mask = finite & tf.reduce_any(tf.not_equal(weights, 0), axis=1)
+  mask = finite & present
   grads = [tf.where(tf.reshape(finite, [-1] + [1] * (g.shape.rank - 1)), g,
                     tf.zeros_like(g)) for g in grads]
   optimizer.apply_per_unit(grads, tf.shape(unit_losses)[0], batch_size,

@@ -534,12 +534,36 @@ class DPOptimizer(keras.optimizers.Optimizer):
       return result
     sample = self.query.sample_state(self._query_state(), per_unit_grads,
                                      variables, unit_mask)
-    num_units = tf.cast(num_units, tf.int64)
+    self._release_sample(sample, num_units, num_examples, variables)
+    return None
+
+  def query_clip_spec(self, trainable_variables):
+    """The ClipSpec of this step for a DPQuery that clips by L2 norm (so the
+    train step can use ghost clipping), or None."""
+    self._variables_of_step(trainable_variables)
+    clip = self.query.clip_norm(self._query_state())
+    return None if clip is None else clipping.ClipSpec(clip)
+
+  def apply_query_clipped(self, result, num_units, num_examples,
+                          trainable_variables=None, unit_mask=None):
+    """Feeds a DPQuery with a ``ClippedSum`` clipped at :meth:`query_clip_spec`:
+    the same sample state as :meth:`apply_per_unit` gives, without per-unit
+    gradients."""
+    variables = self._variables_of_step(trainable_variables)
+    norms = tf.convert_to_tensor(result.norms)
+    mask = tf.math.is_finite(norms) & ~tf.convert_to_tensor(result.mismatch)
+    if unit_mask is not None:
+      mask &= unit_mask
+    sample = self.query.sample_from_clipped(
+        self._query_state(), result.grads, norms, variables, mask)
+    self._release_sample(sample, num_units, num_examples, variables)
+
+  def _release_sample(self, sample, num_units, num_examples, variables):
     num_examples = tf.cast(num_examples, tf.int64)
     self._max_physical_examples.assign(
         tf.maximum(self._max_physical_examples, num_examples))
-    self._release(sample, None, num_units, num_examples, variables)
-    return None
+    self._release(sample, None, tf.cast(num_units, tf.int64), num_examples,
+                  variables)
 
   def _release(self, clipped_sum, clipped_square_sum, num_units,
                num_examples, variables):
