@@ -103,6 +103,8 @@ def test_fit_matches_keras3_optimizer_on_reference_clipped_sums(
     reference.apply_private(_clipped_sum(unit_grads, clip), len(unit_grads),
                             8, ref_vars)
   assert optimizer.steps_taken == 2
+  assert optimizer.per_unit_plan == "vectorized"
+  assert optimizer.vectorized_steps == 2
   for got, want, start in zip(model.trainable_variables, ref_vars, init):
     assert not np.allclose(got.numpy(), start)
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2e-5,
@@ -121,6 +123,172 @@ def test_sgd_step_is_numpy_formula_without_noise():
   for got, start, s in zip(model.trainable_variables, init, expected_sum):
     np.testing.assert_allclose(got.numpy(), start - 0.3 * s / 4, rtol=1e-5,
                                atol=1e-7)
+
+
+# ------------------------------------------------- the vectorized path
+def _tutorial_cnn(seed=0):
+  """TF-Privacy's tutorial CNN (MNIST shape)."""
+  tf_keras.utils.set_random_seed(seed)
+  layers = tf_keras.layers
+  return tf_keras.Sequential([
+      layers.Conv2D(16, 8, strides=2, padding="same", activation="relu",
+                    input_shape=(28, 28, 1)),
+      layers.MaxPool2D(2, 1),
+      layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
+      layers.MaxPool2D(2, 1),
+      layers.Flatten(),
+      layers.Dense(32, activation="relu"),
+      layers.Dense(10)])
+
+
+def _sgd_step(model, x, y, microbatches, clip, lr, vectorize=True,
+              sample_weight=None):
+  """One fit step of DPSGD without noise; returns the optimizer."""
+  optimizer = _quiet(dptk.DPSGD, clip, 0.0, learning_rate=lr,
+                     num_microbatches=microbatches)
+  optimizer.vectorize = vectorize
+  model.compile(optimizer=optimizer, loss=LOSS)
+  _quiet(model.fit, x, y, sample_weight=sample_weight, batch_size=len(x),
+         shuffle=False, verbose=0)
+  assert optimizer.steps_taken == 1
+  return optimizer
+
+
+def _assert_sgd_formula(model, init, unit_grads, clip, lr):
+  """θ = θ₀ − η Σ_u clip_C(g_u) / U."""
+  total = _clipped_sum(unit_grads, clip)
+  for got, start, s in zip(model.trainable_variables, init, total):
+    np.testing.assert_allclose(got.numpy(), start - lr * s / len(unit_grads),
+                               rtol=1e-5, atol=1e-6)
+
+
+def _weighted_unit_gradients(model, x, y, weights, microbatches):
+  """Per-unit gradients of mean(weight · loss) over each unit."""
+  size = len(x) // microbatches
+  out = []
+  for u in range(microbatches):
+    part = slice(u * size, (u + 1) * size)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(weights[part] * LOSS(
+          y[part], model(x[part], training=True)))
+    out.append([g.numpy() for g in
+                tape.gradient(loss, model.trainable_variables)])
+  return out
+
+
+def test_vectorized_path_applies_sample_weights_like_tf_keras():
+  """Microbatches of 2 with sample weights: the vectorized step is the
+  reference formula and the jacobian path's step."""
+  x, y = _data(8)
+  weights = np.random.default_rng(1).uniform(0, 2, size=8).astype("float32")
+  model = _mlp(1)
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = _weighted_unit_gradients(model, x, y, weights, 4)
+  clip = float(np.median([_global_norm(g) for g in unit_grads]))
+  optimizer = _sgd_step(model, x, y, 4, clip, 0.3, sample_weight=weights)
+  assert optimizer.per_unit_plan == "vectorized"
+  assert optimizer.vectorized_steps == 1
+  _assert_sgd_formula(model, init, unit_grads, clip, 0.3)
+
+  jacobian = _mlp(1)
+  optimizer = _sgd_step(jacobian, x, y, 4, clip, 0.3, vectorize=False,
+                        sample_weight=weights)
+  assert optimizer.per_unit_plan == "jacobian: vectorize=False"
+  assert optimizer.vectorized_steps == 0
+  for a, b in zip(model.trainable_variables, jacobian.trainable_variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_tutorial_cnn_takes_the_vectorized_path():
+  """TF-Privacy's tutorial model and loss (one-hot labels,
+  CategoricalCrossentropy with reduction NONE), one example per unit."""
+  rng = np.random.default_rng(0)
+  x = rng.uniform(size=(4, 28, 28, 1)).astype("float32")
+  y = tf_keras.utils.to_categorical(rng.integers(0, 10, 4), 10)
+  model = _tutorial_cnn()
+  optimizer = dptk.DPKerasSGDOptimizer(1.0, 1.1, 4, 1, 0.15)
+  loss = tf_keras.losses.CategoricalCrossentropy(
+      from_logits=True, reduction=tf_keras.losses.Reduction.NONE)
+  model.compile(optimizer=optimizer, loss=loss)
+  _quiet(model.fit, x, y, batch_size=4, verbose=0)
+  assert optimizer.per_unit_plan == "vectorized"
+  assert optimizer.vectorized_steps == optimizer.steps_taken == 1
+
+
+class _BatchCentering(tf_keras.layers.Layer):
+  """Subtracts the batch mean: mixes examples, and is not detected."""
+
+  def call(self, inputs):
+    return inputs - tf.reduce_mean(inputs, axis=0, keepdims=True)
+
+
+def test_examples_mixed_by_an_undetected_layer_fall_back_to_jacobian():
+  """Per-unit losses differ from the batch's: the step uses the jacobian,
+  the gradients of the batch's unit losses (TF-Privacy's)."""
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([
+      tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
+      _BatchCentering(), tf_keras.layers.Dense(3)])
+  x, y = _data(8)
+  init = [w.numpy() for w in model.trainable_variables]
+  with tf.GradientTape(persistent=True) as tape:
+    unit_losses = tf.reduce_mean(tf.reshape(
+        LOSS(y, model(x, training=True)), [4, 2]), axis=1)
+    rows = [unit_losses[u] for u in range(4)]
+  unit_grads = [[g.numpy() for g in tape.gradient(row,
+                                                  model.trainable_variables)]
+                for row in rows]
+  optimizer = _sgd_step(model, x, y, 4, 0.2, 0.3)
+  assert optimizer.per_unit_plan == "vectorized"  # planned, then refused
+  assert optimizer.vectorized_steps == 0
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
+
+
+def test_dropout_model_uses_the_jacobian_and_respects_the_clip_bound():
+  lr, clip = 0.5, 0.1
+  rng = np.random.default_rng(2)
+  x = 100 * rng.normal(size=(8, 4)).astype("float32")
+  y = np.full((8, 3), 1e6, "float32")
+  tf_keras.utils.set_random_seed(3)
+  model = tf_keras.Sequential([
+      tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
+      tf_keras.layers.Dropout(0.5), tf_keras.layers.Dense(3)])
+  init = [w.numpy() for w in model.trainable_variables]
+  optimizer = _quiet(dptk.DPSGD, clip, 0.0, learning_rate=lr)
+  model.compile(optimizer=optimizer, loss=tf_keras.losses.MeanSquaredError(
+      reduction=tf_keras.losses.Reduction.NONE))
+  _quiet(model.fit, x, y, batch_size=8, epochs=1, verbose=0)
+  assert optimizer.per_unit_plan == "jacobian: stochastic layer 'dropout'"
+  assert optimizer.steps_taken == 1
+  step = _global_norm([w.numpy() - s for w, s in
+                       zip(model.trainable_variables, init)])
+  assert 0.1 * lr * clip < step <= lr * clip * (1 + 1e-5)
+
+
+class _CustomStep(tf_keras.Sequential):
+  """The stock train_step's logic, in user code (not the stock function)."""
+
+  def train_step(self, data):
+    x, y = data
+    with tf.GradientTape() as tape:
+      loss = self.compiled_loss(y, self(x, training=True))
+    self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+    return {}
+
+
+def test_custom_train_step_uses_the_jacobian():
+  x, y = _data(8)
+  tf_keras.utils.set_random_seed(0)
+  model = _CustomStep([
+      tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
+      tf_keras.layers.Dense(3)])
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = _unit_gradients(model, x, y, 4)
+  optimizer = _sgd_step(model, x, y, 4, 0.2, 0.3)
+  assert optimizer.per_unit_plan == (
+      "jacobian: not called from tf_keras' stock Model.train_step")
+  assert optimizer.vectorized_steps == 0
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
 
 
 # ---------------------------------------------------------- the noise
@@ -383,11 +551,19 @@ def test_keras_file_round_trip_keeps_the_optimizer_state(tmp_path):
 
 
 def test_private_tf_keras_internals_still_exist():
-  """The tf_keras internals _compat relies on (fails when tf_keras moves them)."""
+  """The tf_keras internals _compat relies on (fails when tf_keras moves
+  them)."""
   assert isinstance(_compat._TFKerasBatchNorm, type)
   for cls in (tf_keras.layers.BatchNormalization,
               tf_keras.layers.experimental.SyncBatchNormalization):
     assert issubclass(cls, _compat._TFKerasBatchNorm)
+  # The vectorized path (else every step silently takes the jacobian).
+  assert issubclass(tf_keras.layers.Dropout,
+                    _compat._base_layer.BaseRandomLayer)
+  assert callable(_compat._compile_utils.match_dtype_and_rank)
+  assert callable(_compat._losses_utils.apply_mask)
+  assert {"x", "y", "sample_weight", "loss", "tape"} <= set(
+      _compat._TRAIN_STEP.__code__.co_varnames)
 
 
 # ------------------------------------------------ the tutorial, Keras 2
