@@ -97,7 +97,12 @@ import bench_models  # noqa: E402
 
 KERAS3_CONFIGS = ("Adam", "DPAdam", "DPAdamBC", "DPAdamSTP",
                   "DPAdamBC (vectorized)")
-TFP_CONFIGS = ("TFP DPKerasAdamOptimizer", "TFP DPSequential")
+# Configurations that need TF-Privacy or tf_keras, so they run in the
+# --tfp-python environment: TF-Privacy's own, and ours on tf_keras and with
+# a TF-Privacy DPQuery (adaptive clipping) on Keras 3.
+TFP_CONFIGS = ("TFP DPKerasAdamOptimizer", "TFP DPSequential",
+               "DPKerasAdamOptimizer (ours, tf_keras)",
+               "DPAdam (query=QuantileAdaptiveClipSumQuery)")
 BASELINE = "Adam"
 CLIP, NOISE, LR = 1.0, 1.0, 1e-3
 RESULT_MARK = "SUITE-RESULT "
@@ -323,9 +328,28 @@ def _build_tfp(name, config, batch_size):
   build = bench_models.MODELS[name][0]
   k.utils.set_random_seed(0)
   info = {}
-  if config == "TFP DPKerasAdamOptimizer":
+  if config == "DPAdam (query=QuantileAdaptiveClipSumQuery)":
+    import keras
+    import tf_dpadambc as dp
+    from tf_dpadambc import tf_privacy
+    keras.utils.set_random_seed(0)
+    model = dp.make_private(build(keras))
+    query = tf_privacy.QuantileAdaptiveClipSumQuery(
+        initial_l2_norm_clip=CLIP, noise_multiplier=NOISE,
+        target_unclipped_quantile=0.5, learning_rate=0.2,
+        clipped_count_stddev=batch_size / 20, expected_num_records=batch_size)
+    model.compile(optimizer=dp.DPAdam(query=query, learning_rate=LR),
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True), jit_compile=True)
+    return model, keras, info
+  if config in ("TFP DPKerasAdamOptimizer",
+                "DPKerasAdamOptimizer (ours, tf_keras)"):
     model = build(k)
-    optimizer = dp_optimizer_keras.DPKerasAdamOptimizer(
+    if config == "TFP DPKerasAdamOptimizer":
+      optimizers = dp_optimizer_keras
+    else:
+      from tf_dpadambc import tf_keras as optimizers
+    optimizer = optimizers.DPKerasAdamOptimizer(
         l2_norm_clip=CLIP, noise_multiplier=NOISE,
         num_microbatches=batch_size, learning_rate=LR)
     loss = k.losses.SparseCategoricalCrossentropy(

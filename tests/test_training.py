@@ -337,18 +337,6 @@ keras.utils.set_random_seed(0)
 _model_weights = _model().get_weights()
 
 
-def test_multi_replica_strategy_is_refused():
-  cpus = tf.config.list_logical_devices("CPU")
-  if len(cpus) < 2:
-    pytest.skip("needs two logical CPU devices (configured in conftest)")
-  x, y = _data()
-  with tf.distribute.MirroredStrategy([d.name for d in cpus[:2]]).scope():
-    model = dp.make_private(_model())
-    model.compile(optimizer=dp.DPSGD(1.0, 1.0), loss=_loss())
-  with pytest.raises(NotImplementedError, match="replicas"):
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-
-
 def test_multi_output_model_clips_through_the_compiled_loss():
   # Two outputs and two losses: the compiled loss is evaluated per example
   # (materialized path). Σ_u clip_C(g_u) can have norm at most U·C, and with
