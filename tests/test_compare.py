@@ -34,7 +34,8 @@ def test_defaults_are_private_and_main_jobs_three():
   args = compare.parse_args([])
   assert args.variants == ["DPAdamBC", "DPAdam", "DPSGD"]
   assert set(args.variants) <= set(compare.PRIVATE)
-  assert args.dataset == "mnist1d" and args.sampling == "shuffle"
+  assert args.dataset == "mnist1d" and args.sampling == "poisson"
+  assert args.sampling_seed is None and args.left_out == {}
   assert args.jit_compile and not compare.parse_args(["--quick"]).jit_compile
 
 
@@ -50,9 +51,13 @@ def test_all_means_every_private_variant_and_no_baseline():
   args = compare.parse_args(["--variants", "DPSGD", "all", "Adam"])
   assert args.variants[0] == "DPSGD" and "Adam" in args.variants
   assert len(args.variants) == len(set(args.variants))  # no repeats
-  assert set(args.variants) == set(compare.PRIVATE) | {"Adam"}
-  assert not set(compare.parse_args(["--variants", "all"]).variants) & set(
-      compare.NON_PRIVATE)
+  # (Under the default Poisson sampling, less the variants that refuse it.)
+  assert set(args.variants) == (set(compare.PRIVATE) - set(args.left_out)
+                                | {"Adam"})
+  for sampling in main_lib.SAMPLINGS:
+    assert not set(compare.parse_args(
+        ["--variants", "all", "--sampling", sampling]).variants) & set(
+            compare.NON_PRIVATE)
 
 
 def test_unknown_variant_lists_the_valid_ones(capsys):
@@ -63,6 +68,26 @@ def test_unknown_variant_lists_the_valid_ones(capsys):
   assert "unknown variant 'DPAdamXYZ'" in err
   for name in ("DPAdamBC", "DPRMSPropIME", "DP2Adagrad", "Adam"):
     assert name in err
+
+
+def test_poisson_leaves_out_the_variants_that_refuse_it(capsys):
+  ime = {"DPAdamIME", "DPRMSPropIME", "DPAdagradIME"}
+  args = compare.parse_args(["--variants", "all"])
+  assert set(args.left_out) == ime and not ime & set(args.variants)
+  assert set(args.variants) == set(compare.PRIVATE) - ime
+  assert "sensitivity" in args.left_out["DPAdamIME"]  # the class's reason
+  shuffle = compare.parse_args(["--variants", "all", "--sampling",
+                                "shuffle"])
+  assert set(shuffle.variants) == set(compare.PRIVATE)
+  assert shuffle.left_out == {}
+  with pytest.raises(SystemExit) as e:
+    compare.parse_args(["--variants", "DPAdamIME"])
+  assert e.value.code == 2
+  err = " ".join(capsys.readouterr().err.split())
+  assert "DPAdamIME cannot train with --sampling poisson" in err
+  assert "Use --sampling shuffle" in err
+  assert compare.parse_args(["--variants", "DPAdamIME", "--sampling",
+                             "shuffle"]).variants == ["DPAdamIME"]
 
 
 def test_unsupported_variant_says_why(capsys):
@@ -84,8 +109,8 @@ def test_subcommand_dispatch_and_help_lists_variants(capsys):
 def test_main_job_arguments_unchanged():
   args = main_lib.parse_args([])
   assert args.optimizers == list(main_lib.OPTIMIZERS)
-  assert (args.dataset, args.epsilon, args.delta, args.seed) == (
-      "mnist1d", 8.0, 1e-5, 0)
+  assert (args.dataset, args.epsilon, args.delta, args.seed,
+          args.sampling) == ("mnist1d", 8.0, 1e-5, 0, "poisson")
 
 
 @pytest.mark.filterwarnings("ignore:NoiselessPreconditionerAdam is NOT")
@@ -113,10 +138,11 @@ def test_default_hparams_reuse_the_tuned_ones():
 def test_training_config_defaults_and_overrides():
   def config(*argv, n=4000):
     return compare.training_config(compare.parse_args(list(argv)), n)
-  # Once-per-epoch ε does not depend on B: larger batches by default.
-  assert config().batch_size == 1000 and config().epochs == 40
-  # Poisson: the main job's settings.
-  assert config("--sampling", "poisson") == main_lib.DEFAULTS["mnist1d"]
+  # Poisson (the default): the main job's settings.
+  assert config() == main_lib.DEFAULTS["mnist1d"]
+  assert config().batch_size == 250 and config().epochs == 40
+  # Once-per-epoch ε does not depend on B: larger batches.
+  assert config("--sampling", "shuffle").batch_size == 1000
   assert config("--dataset", "digits") == main_lib.DEFAULTS["digits"]
   assert config("--batch-size", "64", "--epochs", "3").batch_size == 64
   assert config("--quick") == main_lib.QUICK
@@ -167,17 +193,46 @@ def test_missing_matplotlib_names_the_extra(monkeypatch):
 
 
 # ------------------------------------------------------------- a tiny run
+_TINY = ["--variants", "DPAdamBC", "DPSGD", "Adam", "--epochs", "1",
+         "--batch-size", "60", "--epsilon", "4", "--eval-every", "1",
+         "--no-jit-compile", "--verbose", "0", "--noise-seed", "3"]
+
+
 @pytest.fixture(scope="module")
-def tiny_report(tmp_path_factory):
+def tiny(tmp_path_factory):
+  """(report folder, runs) of a tiny run with the default sampling, and the
+  data arguments each variant's fit got."""
   root = tmp_path_factory.mktemp("compare")
-  path = _write_npz(root / "tiny.npz")
   out = root / "report"
-  assert compare.main([
-      "--dataset", path, "--variants", "DPAdamBC", "DPSGD", "Adam",
-      "--epochs", "1", "--batch-size", "60", "--epsilon", "4",
-      "--eval-every", "1", "--no-jit-compile", "--verbose", "0",
-      "--noise-seed", "3", "--out", str(out)]) == 0
-  return out
+  args = compare.parse_args(
+      _TINY + ["--dataset", _write_npz(root / "tiny.npz"), "--out", str(out)])
+  inputs = []
+  fit_inputs = main_lib.fit_inputs
+  def record(*a, **k):
+    inputs.append(fit_inputs(*a, **k))
+    return inputs[-1]
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(main_lib, "fit_inputs", record)
+    runs = compare.run(args)
+  return out, runs, inputs
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tiny):
+  return tiny[0]
+
+
+def test_private_variants_train_on_poisson_batches(tiny):
+  _, runs, inputs = tiny
+  assert [r.name for r in runs] == ["DPAdamBC", "DPSGD", "Adam"]
+  for run, fit in zip(runs[:2], inputs[:2]):  # normalise by B, q = B/N
+    assert run.optimizer.expected_batch_size == 60
+    assert run.optimizer.steps_taken == 4  # ceil(240/60) steps per epoch
+    padded = main_lib.poisson_padding(240, 60)
+    assert fit["x"].element_spec[2].shape == (padded,)  # sample weights
+  # Keras' Adam has no ε to earn: shuffled fixed-size batches.
+  assert runs[2].optimizer.__class__.__name__ == "Adam"
+  assert inputs[2]["batch_size"] == 60
 
 
 def _read_csv(path):
@@ -208,9 +263,18 @@ def test_private_variants_share_sigma_and_epsilon_from_the_accounting(
   assert len({r["epsilon"] for r in private}) == 1
   sigma, eps = float(private[0]["sigma"]), float(private[0]["epsilon"])
   expected = tf_dpadambc.compute_epsilon(240, 60, 1, sigma, 1e-5,
-                                         sampling="shuffle")
+                                         sampling="poisson")
   assert eps == pytest.approx(expected, abs=1e-3)
-  assert eps <= 4.0 + 1e-3
+  assert 3.9 < eps <= 4.0 + 1e-3
+  # The once-per-epoch figure of the same σ differs: eps is not it.
+  assert abs(tf_dpadambc.compute_epsilon(240, 60, 1, sigma, 1e-5,
+                                         sampling="shuffle") - eps) > 0.1
+  text = (tiny_report / "results.md").read_text(encoding="utf-8")
+  assert "RDP accountant, Poisson sampling: each example joins" in text
+  assert "expected batch 60" in text
+  assert f"ε = {eps:.3f} with Poisson sampling: the guarantee of this run" in (
+      text)
+  assert "does NOT apply" not in text
 
 
 def test_history_has_every_evaluation_and_diagnostics(tiny_report):

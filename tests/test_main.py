@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+import tf_dpadambc
 from tf_dpadambc import datasets
 from tf_dpadambc import main as main_lib
 
@@ -59,23 +60,123 @@ def test_missing_optional_dependency_says_what_to_install(
 
 _ROW = re.compile(r"^(DPAdamBC|DPAdam|DPSGD)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)"
                   r"\s+(\S+)\s+(\S+)\s*$")
+_SIGMA = re.compile(r"σ = ([0-9.]+), (expected batch|batch) (\d+), (\d+) steps")
 
 
-@pytest.mark.slow
-def test_main_quick_prints_the_table(capsys):
-  assert main_lib.main(["--quick", "--verbose", "0"]) == 0
-  out = capsys.readouterr().out
-  assert "test accuracy" in out and "δ = 1e-05" in out
+def _run_main(argv, capsys, monkeypatch):
+  """Runs the job; returns (stdout, its Results, model.fit's data args)."""
+  results, inputs = [], []
+  train_one, fit_inputs = main_lib.train_one, main_lib.fit_inputs
+
+  def record_train(*args, **kwargs):
+    results.append(train_one(*args, **kwargs))
+    return results[-1]
+
+  def record_inputs(*args, **kwargs):
+    inputs.append(fit_inputs(*args, **kwargs))
+    return inputs[-1]
+  monkeypatch.setattr(main_lib, "train_one", record_train)
+  monkeypatch.setattr(main_lib, "fit_inputs", record_inputs)
+  assert main_lib.main(argv) == 0
+  return capsys.readouterr().out, results, inputs
+
+
+def _table(out):
   rows = {m.group(1): m.groups() for m in map(_ROW.match, out.splitlines())
           if m}
-  assert set(rows) == {"DPAdamBC", "DPAdam", "DPSGD"}
-  epsilons = []
-  for _, lr, _, accuracy, loss, eps, _ in rows.values():
+  for _, lr, _, accuracy, loss, _, _ in rows.values():
     assert float(lr) > 0
     assert 0.0 <= float(accuracy) <= 1.0
     assert math.isfinite(float(loss))
-    epsilons.append(float(eps))
-  # Same σ, batch and steps: the same ε, at most the 8.0 target.
-  assert max(epsilons) == min(epsilons)
-  assert 0 < epsilons[0] <= 8.0 + 1e-3
+  sigma, batch, batch_size, steps = _SIGMA.search(out).groups()
+  return rows, float(sigma), batch, int(batch_size), int(steps)
+
+
+def test_defaults_sample_poisson_and_shuffle_takes_larger_batches():
+  args = main_lib.parse_args([])
+  assert args.sampling == "poisson" and args.sampling_seed is None
+  assert main_lib.default_config("mnist1d", "poisson").batch_size == 250
+  assert main_lib.default_config("mnist1d", "shuffle").batch_size == 1000
+  assert main_lib.default_config("digits", "shuffle").batch_size == 150
+
+
+def test_sampling_seed_is_secret_unless_given(capsys):
+  args = main_lib.parse_args([])
+  assert main_lib.sampling_seed(args) != main_lib.sampling_seed(args)
+  assert main_lib.sampling_seed(main_lib.parse_args(
+      ["--sampling-seed", "5"])) == 5
+  with pytest.raises(SystemExit):  # shuffled batches follow --seed
+    main_lib.parse_args(["--sampling", "shuffle", "--sampling-seed", "5"])
+  assert "--sampling-seed seeds Poisson" in capsys.readouterr().err
+
+
+def test_fit_inputs_poisson_padded_batches_steps_and_seed():
+  n, b = 300, 40  # B does not divide N: ceil(N/B) = 8 steps per epoch
+  data = datasets.Dataset(np.arange(n, dtype="float32")[:, None],
+                          np.arange(n, dtype="int32"), None, None, "ids")
+  config = main_lib.QUICK._replace(batch_size=b)
+  poisson = main_lib.fit_inputs(data, config, "poisson", seed=1)
+  assert set(poisson) == {"x", "shuffle"} and poisson["shuffle"] is False
+  batches = list(poisson["x"].as_numpy_iterator())
+  m = main_lib.poisson_padding(n, b)
+  assert len(batches) == main_lib.steps_per_epoch(n, b) == 8 and b < m < n
+  for x, y, w in batches:
+    assert x.shape == (m, 1) and w.shape == (m,)
+    real = y[w > 0]
+    assert len(set(real)) == len(real) and set(w) <= {0.0, 1.0}
+  sizes = [int(np.sum(w > 0)) for _, _, w in batches]
+  assert len(set(sizes)) > 1  # random sizes, not fixed batches of B
+  again = main_lib.fit_inputs(data, config, "poisson", seed=1)["x"]
+  for (_, y1, w1), (_, y2, w2) in zip(batches, again.as_numpy_iterator()):
+    np.testing.assert_array_equal(y1[w1 > 0], y2[w2 > 0])
+  shuffle = main_lib.fit_inputs(data, config, "shuffle")
+  assert shuffle["batch_size"] == b and shuffle["x"] is data.x_train
+
+
+@pytest.mark.slow
+def test_main_quick_trains_on_poisson_batches(capsys, monkeypatch):
+  out, results, inputs = _run_main(["--quick", "--epochs", "1", "--verbose",
+                                    "0"], capsys, monkeypatch)
+  rows, sigma, batch, batch_size, steps = _table(out)
+  assert set(rows) == {"DPAdamBC", "DPAdam", "DPSGD"}
+  assert (batch, batch_size, steps) == ("expected batch", 100, 10)
+  # The optimizers normalise by B and account Poisson sampling with q = B/N;
+  # fit got padded Poisson batches, all from one sampling seed.
+  for r in results:
+    assert r.optimizer.expected_batch_size == 100
+    assert r.optimizer.steps_taken == 10
+  assert all(i["x"].element_spec[2].shape == (main_lib.poisson_padding(
+      1000, 100),) for i in inputs) and len(inputs) == 3
+  # ε of the run's own sampling: Poisson, at the 8.0 target.
+  expected = tf_dpadambc.compute_epsilon(1000, 100, 1, sigma, 1e-5)
+  assert 7.9 < expected <= 8.0 + 1e-3
+  # The once-per-epoch ε of that σ differs: the rows below tell them apart.
+  assert abs(tf_dpadambc.compute_epsilon(
+      1000, 100, 1, sigma, 1e-5, sampling="shuffle") - expected) > 0.1
+  for name, row in rows.items():
+    assert float(row[5]) == pytest.approx(expected, abs=1e-3), name
+  assert "ε: RDP accountant, Poisson sampling (the run's sampling)" in out
   assert "Differential privacy statement" in out
+  assert "expected batch size B = 100" in out
+  assert (f"ε = {rows['DPAdamBC'][5]} with Poisson sampling: the guarantee "
+          "of this run") in out
+  assert "does NOT apply" not in out
+
+
+@pytest.mark.slow
+def test_main_shuffle_reports_the_once_per_epoch_epsilon(capsys, monkeypatch):
+  out, results, _ = _run_main(
+      ["--quick", "--epochs", "1", "--sampling", "shuffle", "--optimizers",
+       "DPSGD", "--verbose", "0"], capsys, monkeypatch)
+  rows, sigma, batch, batch_size, steps = _table(out)
+  assert set(rows) == {"DPSGD"} and (batch, batch_size, steps) == (
+      "batch", 100, 10)
+  assert results[0].optimizer.expected_batch_size is None
+  expected = tf_dpadambc.compute_epsilon(1000, 100, 1, sigma, 1e-5,
+                                         sampling="shuffle")
+  assert float(rows["DPSGD"][5]) == pytest.approx(expected, abs=1e-3)
+  assert 7.9 < expected <= 8.0 + 1e-3
+  assert "each example once per epoch (the run's sampling)" in out
+  assert (f"ε = {rows['DPSGD'][5]} if each example is used exactly once per "
+          "epoch (shuffled fixed-size batches; no amplification by sampling "
+          "assumed): the guarantee of this run") in out

@@ -8,10 +8,11 @@
     python -m tf_dpadambc compare --help
 
 Calibrates σ once for the target ε, then trains the main job's model
-(:func:`tf_dpadambc.main.build_model`), from the same initial weights and in
-the same batch order, with every variant asked for. All private variants
-share C, σ, the batch size and the number of steps, hence the same guarantee;
-each one's ε is nevertheless recomputed from its own ``dp_event``. Test
+(:func:`tf_dpadambc.main.build_model`), from the same initial weights and on
+the same batches, with every variant asked for. All private variants share
+C, σ, the (expected) batch size and the number of steps, hence the same
+guarantee; each one's ε is nevertheless recomputed from its own ``dp_event``,
+for the sampling its run used. Test
 accuracy and loss, ε and the optimizer's diagnostics are recorded every
 ``--eval-every`` steps. Written to ``--out`` (default
 ``./dp-compare-<dataset>``):
@@ -23,15 +24,26 @@ accuracy and loss, ε and the optimizer's diagnostics are recorded every
   ``diagnostics.png`` (v̂/Φ, clamped and negative-v̂ fractions, for the
   variants that report them).
 
-ε is by default for each example used once per epoch (``--sampling
-shuffle``): the guarantee of ``model.fit``'s shuffled fixed-size batches. It
-does not depend on the batch size, so MNIST-1D then defaults to batches of
-1,000 (less noise per step). ``--sampling poisson`` calibrates for Poisson
-sampling instead, with the main job's settings; that smaller ε holds only
-for Poisson-sampled batches, which ``model.fit`` does not draw.
+Sampling, as in the main job (:mod:`tf_dpadambc.main`): by default
+(``--sampling poisson``) the private variants train on Poisson-sampled
+batches (:func:`tf_dpadambc.data.poisson_batches`, drawn from one secret
+seed unless ``--sampling-seed``) with ``expected_batch_size=B``, so the
+amplified ε they report holds; MNIST-1D uses the main job's settings (B =
+250, σ = 1.26 at ε = 8). The IME variants cannot take Poisson batches (their
+ḡ² sensitivity needs at most B examples per batch): ``all`` leaves them out,
+naming them is an error. ``--sampling shuffle`` trains on ``model.fit``'s
+shuffled fixed-size batches with the once-per-epoch ε, which does not depend
+on the batch size: MNIST-1D then defaults to batches of 1,000 (σ = 4.0 at ε =
+8; less noise per step than at 250).
 
 Non-private baselines (``Adam``, ``SGD``, ``NoiselessPreconditionerAdam``)
-are trained only when asked for by name, and are marked NOT PRIVATE.
+are trained only when asked for by name, and are marked NOT PRIVATE. Keras'
+``Adam`` and ``SGD`` train on shuffled batches of B with either sampling
+(they have no ε to earn, and Keras' mean loss would count the padding).
+
+Runtime on 2 CPU cores: about 3 minutes for the default (three variants,
+640 steps each on Poisson batches padded to 354 rows; 196 s measured on a
+machine shared with another job); ``--quick`` under a minute.
 """
 import argparse
 import csv
@@ -39,6 +51,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -92,12 +105,10 @@ _DIAGNOSTIC_LABELS = {
     "dp_clamped_fraction": "fraction clamped (v̂ − Φ < γ')",
     "dp_negative_v_fraction": "fraction with v̂ < 0",
 }
-# Once-per-epoch ε does not depend on B, so a larger batch cuts the noise
-# variance Φ = (σC/B)² for free. At the main job's B = 250, σ = 4.03 (ε = 8)
-# puts Φ 10x above its tuning point: DPAdamBC/DPAdam/DPSGD reached .38/.38/
-# .10 (DPSGD diverged); at B = 1000, .49/.55/.44 (one run, 160 steps).
-SHUFFLE_DEFAULTS = {
-    "mnist1d": main_lib.DEFAULTS["mnist1d"]._replace(batch_size=1000)}
+# Batch sizes: main.default_config. With Poisson sampling MNIST-1D keeps the
+# main job's B = 250 (σ = 1.26, 640 steps): DPAdamBC/DPAdam/DPSGD reached
+# .64/.67/.64 in one run, against .57/.62/.44 at B = 1000 (σ = 2.21, 160
+# steps; 127 s instead of 196 s).
 # For a user's .npz: MNIST-1D's, with at least 4 batches per epoch.
 NPZ_DATASET = "mnist1d"
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -125,6 +136,25 @@ def default_hparams(name, noise_variance):
     # a floor of √Φ caps it at DPAdam's m̂/√v̂ with v̂ ≥ Φ.
     hparams["denominator_floor"] = math.sqrt(noise_variance)
   return hparams, tuned
+
+
+def sampling_refusal(name, sampling):
+  """Why variant ``name`` cannot train with ``sampling``, or None.
+
+  Asks the class itself: its constructor refuses ``expected_batch_size``
+  where Poisson batches would break its guarantee (the IME variants).
+  """
+  if sampling != "poisson" or name in ("Adam", "SGD"):
+    return None
+  hparams, _ = default_hparams(name, 1.0)
+  with warnings.catch_warnings():  # NoiselessPreconditionerAdam's warning
+    warnings.simplefilter("ignore")
+    try:
+      main_lib.make_optimizer(name, 1.0, 1.0, expected_batch_size=1,
+                              hparams=hparams)
+    except ValueError as e:
+      return str(e)
+  return None
 
 
 def load_npz(path):
@@ -215,21 +245,30 @@ def parse_args(argv):
       "--dataset", default="mnist1d",
       help="mnist1d (default; generated locally), digits, or a .npz file "
            "with x_train, y_train, x_test, y_test (integer labels)")
-  parser.add_argument(
-      "--sampling", choices=("shuffle", "poisson"), default="shuffle",
-      help="what ε assumes: 'shuffle' (default): each example once per "
-           "epoch, the guarantee of model.fit's shuffled batches; 'poisson': "
-           "Poisson-sampled batches, as the main job (model.fit does not "
-           "sample that way: hypothetical)")
   parser.add_argument("--out", default=None,
                       help="report folder (default: ./dp-compare-<dataset>)")
   parser.add_argument("--eval-every", type=int, default=None,
                       help="steps between evaluations (default: about 40 "
                            "evaluations per run)")
-  main_lib.add_training_arguments(parser, sampling="see --sampling")
+  main_lib.add_training_arguments(parser)
   args = parser.parse_args(argv)
+  main_lib.check_training_arguments(parser, args)
+  for name in args.variants:
+    why = name != "all" and sampling_refusal(name, args.sampling)
+    if why:
+      parser.error(f"{name} cannot train with --sampling {args.sampling}: "
+                   f"{why} Use --sampling shuffle.")
+  # Variants 'all' leaves out because they cannot take the sampling.
+  args.left_out = {}
   if "all" in args.variants:
-    args.variants = [v for v in args.variants if v != "all"] + list(PRIVATE)
+    every = []
+    for name in PRIVATE:
+      why = sampling_refusal(name, args.sampling)
+      if why:
+        args.left_out[name] = why
+      else:
+        every.append(name)
+    args.variants = [v for v in args.variants if v != "all"] + every
   args.variants = list(dict.fromkeys(args.variants))  # drops repeats
   if args.jit_compile is None:
     args.jit_compile = not args.quick
@@ -328,22 +367,33 @@ class Run:
     return self.name if self.private else f"{self.name} (NOT PRIVATE)"
 
 
-def _make_optimizer(name, hparams, config, sigma, noise_seed):
+def _make_optimizer(name, hparams, config, sigma, noise_seed,
+                    expected_batch_size):
+  """(optimizer, sampling its batches need): Keras' own optimizers train on
+  shuffled batches, tf_dpadambc's on the run's sampling."""
   if name in ("Adam", "SGD"):
-    return getattr(keras.optimizers, name)(**hparams)
-  return getattr(tf_dpadambc, name)(
-      l2_norm_clip=config.l2_norm_clip, noise_multiplier=sigma,
-      seed=noise_seed, **hparams)
+    return getattr(keras.optimizers, name)(**hparams), "shuffle"
+  optimizer, _ = main_lib.make_optimizer(
+      name, config.l2_norm_clip, sigma, noise_seed,
+      expected_batch_size=expected_batch_size, hparams=hparams)
+  return optimizer, "poisson" if expected_batch_size else "shuffle"
 
 
-def train_variant(name, data, config, sigma, args, eval_every):
-  """Trains a fresh model with variant `name`; returns a :class:`Run`."""
+def train_variant(name, data, config, sigma, args, eval_every,
+                  seed_of_sampling=None):
+  """Trains a fresh model with variant `name`; returns a :class:`Run`.
+
+  ``seed_of_sampling``: the seed of the Poisson batches
+  (:func:`tf_dpadambc.main.sampling_seed`), the same for every variant.
+  """
   phi = (sigma * config.l2_norm_clip / config.batch_size) ** 2
   hparams, tuned = default_hparams(name, phi)
-  keras.utils.set_random_seed(args.seed)  # same weights and batch order
+  keras.utils.set_random_seed(args.seed)  # same weights (and batch order)
   num_classes = int(max(data.y_train.max(), data.y_test.max())) + 1
   model = main_lib.build_model(data.x_train.shape[1], num_classes)
-  optimizer = _make_optimizer(name, hparams, config, sigma, args.noise_seed)
+  optimizer, sampling = _make_optimizer(
+      name, hparams, config, sigma, args.noise_seed,
+      config.batch_size if args.sampling == "poisson" else None)
   ours = isinstance(optimizer, tf_dpadambc.DPOptimizer)
   private = ours and optimizer.is_private
   if ours:  # DP optimizers need the private train step
@@ -354,20 +404,18 @@ def train_variant(name, data, config, sigma, args, eval_every):
   def epsilon_at(step=None):  # default: the steps taken
     if not private:
       return math.inf
-    return epsilon_lib.epsilon_of_event(
-        optimizer.dp_event(num_examples, sampling=args.sampling, steps=step),
-        args.delta)
+    return main_lib.run_epsilon(optimizer, num_examples, args.delta, step)
 
   model.compile(
       optimizer=optimizer,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       metrics=["accuracy"], jit_compile=args.jit_compile)
-  per_epoch = math.ceil(num_examples / config.batch_size)
+  per_epoch = main_lib.steps_per_epoch(num_examples, config.batch_size)
   total = config.epochs * per_epoch
   monitor = _Monitor(data, eval_every, per_epoch, total, epsilon_at,
                      verbose=1 if args.verbose else 0)
   start = time.perf_counter()
-  model.fit(data.x_train, data.y_train, batch_size=config.batch_size,
+  model.fit(**main_lib.fit_inputs(data, config, sampling, seed_of_sampling),
             epochs=config.epochs, verbose=0, callbacks=[monitor])
   run.seconds = time.perf_counter() - start - monitor.eval_seconds
   run.history = monitor.history
@@ -525,36 +573,35 @@ def write_report(out_dir, runs, data, config, sigma, args, steps, header):
   return table
 
 
-def _sampling_text(sampling):
-  return ("each example once per epoch (what model.fit's shuffled batches "
-          "give)" if sampling == "shuffle" else
-          "Poisson sampling (hypothetical: model.fit does not sample that "
-          "way)")
-
-
 def _settings_text(data, config, sigma, args, steps):
+  num_examples = len(data.y_train)
   eps = epsilon_lib.compute_epsilon(
-      len(data.y_train), config.batch_size, config.epochs, sigma, args.delta,
+      num_examples, config.batch_size, config.epochs, sigma, args.delta,
       sampling=args.sampling)
+  sampling = main_lib.sampling_text(args.sampling, num_examples,
+                                    config.batch_size)
+  poisson = args.sampling == "poisson"
+  batch = "expected batch" if poisson else "batch"
+  baselines = ""
+  if poisson and set(args.variants) & {"Adam", "SGD"}:
+    baselines = (" (Keras' Adam and SGD, not private: shuffled batches of "
+                 f"{config.batch_size})")
   return (
       f"{data.name}{' (--quick)' if args.quick else ''}: "
       f"{len(data.y_train):,} train / {len(data.y_test):,} test examples, "
       f"{data.x_train.shape[1]} features; the main job's Conv1D model, same "
-      f"initial weights and batch order for every variant. Every private "
-      f"variant: C = {config.l2_norm_clip:g}, σ = {sigma:.4f}, batch "
-      f"{config.batch_size}, {config.epochs} epochs = {steps:,} steps: "
-      f"ε = {eps:.4f} at δ = {args.delta:g} (target {args.epsilon:g}; RDP "
-      f"accountant, {_sampling_text(args.sampling)}).")
+      f"initial weights and batches for every variant{baselines}. Every "
+      f"private variant: C = {config.l2_norm_clip:g}, σ = {sigma:.4f}, "
+      f"{batch} {config.batch_size}, {config.epochs} epochs = {steps:,} "
+      f"steps: ε = {eps:.4f} at δ = {args.delta:g} (target "
+      f"{args.epsilon:g}; RDP accountant, {sampling}).")
 
 
 def training_config(args, num_examples):
   """Epochs, batch size and C of the run: the defaults, then the flags."""
   npz = args.dataset not in datasets.LOADERS
-  defaults = dict(main_lib.DEFAULTS)
-  if args.sampling == "shuffle":
-    defaults.update(SHUFFLE_DEFAULTS)
-  config = main_lib.training_config(
-      args, defaults[NPZ_DATASET if npz else args.dataset])
+  config = main_lib.training_config(args, main_lib.default_config(
+      NPZ_DATASET if npz else args.dataset, args.sampling))
   if npz and args.batch_size is None:
     n = min(num_examples, config.train_examples or num_examples)
     config = config._replace(
@@ -572,20 +619,21 @@ def run(args):
   config = training_config(args, len(data.y_train))
   data = main_lib.check_training_data(data, config)
   num_examples = len(data.y_train)
-  steps = config.epochs * math.ceil(num_examples / config.batch_size)
-  sigma = tf_dpadambc.compute_noise_multiplier(
-      num_examples, config.batch_size, config.epochs, args.epsilon,
-      args.delta, sampling=args.sampling)
+  sigma, steps = main_lib.calibrate(num_examples, config, args)
   print(_settings_text(data, config, sigma, args, steps), flush=True)
+  for name, why in args.left_out.items():
+    print(f"Left out of 'all': {name} ({why})", flush=True)
   for name in args.variants:
     if name in NON_PRIVATE:
       print(f"WARNING: {name} is NOT PRIVATE: trained as a baseline only, "
             "because it was asked for by name.", flush=True)
+  seed_of_sampling = (main_lib.sampling_seed(args)
+                      if args.sampling == "poisson" else None)
   runs = []
   for name in args.variants:
     print(f"\n== {name} ==", flush=True)
     runs.append(train_variant(name, data, config, sigma, args,
-                              _eval_every(args, steps)))
+                              _eval_every(args, steps), seed_of_sampling))
   out_dir = args.out or f"dp-compare-{data.name}"
   header = (f"C = {config.l2_norm_clip:g}, σ = {sigma:.3f}, B = "
             f"{config.batch_size}, δ = {args.delta:g}")
