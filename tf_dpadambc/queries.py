@@ -37,6 +37,8 @@ flag: :mod:`tf_dpadambc.tf_privacy` imports it.
 import dp_accounting
 import tensorflow as tf
 
+from tf_dpadambc.core import ghost
+
 
 class NotAccountable(ValueError):
   """The query's DpEvent does not give a trustworthy ε.
@@ -170,9 +172,8 @@ class QueryRelease:
         lambda r: self.query.preprocess_record(params, r), records,
         fallback_to_while_loop=True)
     flat = tf.nest.flatten(preprocessed)
-    if unit_mask is not None:
-      flat = [tf.where(tf.reshape(unit_mask, [-1] + [1] * (t.shape.rank - 1)),
-                       t, tf.zeros_like(t)) for t in flat]
+    if unit_mask is not None:  # (exactly 0, also for a non-finite record)
+      flat = [ghost.masked(t, unit_mask) for t in flat]
     initial = self.query.initial_sample_state(list(templates))
     if self.sums:
       summed = [tf.reduce_sum(t, axis=0) for t in flat]

@@ -473,11 +473,10 @@ def _query_step(model, optimizer, x, y, sample_weight, batch_size):
   finite = tf.reduce_all(tf.stack([
       tf.reduce_all(tf.math.is_finite(tf.reshape(g, [tf.shape(g)[0], -1])),
                     axis=1) for g in grads]), axis=0)
-  mask = finite & present
-  grads = [tf.where(tf.reshape(finite, [-1] + [1] * (g.shape.rank - 1)), g,
-                    tf.zeros_like(g)) for g in grads]
+  # (the records of the other units are zeroed after preprocessing)
   optimizer.apply_per_unit(grads, tf.shape(unit_losses)[0], batch_size,
-                           model.trainable_variables, unit_mask=mask)
+                           model.trainable_variables,
+                           unit_mask=finite & present)
   return None, unit_losses, y_pred
 
 

@@ -13,9 +13,10 @@ formula (noise, moments, Φ, accounting); the adapter only turns tf_keras'
 3. per-unit gradients: when ``fit`` runs the stock ``Model.train_step``
    (traced) with one per-example compiled loss and no stochastic layer,
    ``tf.vectorized_map`` over units of ``model(x_u, training=True)`` and that
-   loss (x, y, sample_weight taken from the ``train_step`` frame), used only
-   if every unit's loss matches the batch's (else, for that step, and in any
-   other case: the reference ``tape.jacobian(unit_losses, var_list)``);
+   loss (x, y, sample_weight taken from the ``train_step`` frame), checked
+   every step: if a unit's loss differs from the batch's, examples mix and
+   the step fails before any update; in any other case the reference
+   ``tape.jacobian(unit_losses, var_list)``;
 4. ``inner.apply_per_unit(per_unit_grads, units, B, var_list)``: clipped and
    summed by ``core.clipping.materialized_clipped_sum`` under the inner
    optimizer's ``clip_spec``, then ``apply_private``: noise N(0, σ²C²) once
@@ -73,6 +74,15 @@ _CROSS_EXAMPLE_ERROR = (
     "private training cannot use it; replace it with LayerNormalization or "
     "GroupNormalization (per-example normalizations).")
 
+_MIXING_ERROR = (
+    "tf_dpadambc: the per-example forward passes did not reproduce the "
+    "losses of the batch: a layer mixes the examples of the batch (e.g. it "
+    "uses batch statistics), or draws random values Keras does not track. The "
+    "per-example gradients of such a model are not bounded by clipping, so "
+    "this step was refused before any update. Remove or fix that layer. If "
+    "it does not mix examples (only untracked randomness), set "
+    "optimizer.vectorize = False to use the jacobian path.")
+
 # Relative agreement required between the vectorized path's unit losses and
 # tf_keras' batched ones: per-example and batched kernels may round
 # differently (equal on CPU; TF32 on GPUs rounds inputs to ~5e-4), while a
@@ -116,8 +126,11 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
   training mode found in the graph of the loss. Limits: a layer that mixes
   examples in another way (a custom layer normalizing over the batch axis,
   attention across examples) is not detected, and a model that is not
-  reachable from the caller's frames is not checked. Each unit's jacobian
-  row is its gradient only if its loss depends on its own examples alone.
+  reachable from the caller's frames is not checked. On the fast path such
+  mixing is caught every step (the per-example losses differ from the
+  batch's) and the step fails before any update; on the jacobian path each
+  unit's jacobian row is its gradient only if its loss depends on its own
+  examples alone.
 
   Not supported (they raise): ``apply_gradients`` (aggregated gradients),
   mixed-precision loss scaling (it calls ``apply_gradients``), and
@@ -308,9 +321,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     ``model(x_u, training=True)`` and the compiled loss (forward and backward
     of one unit each). Each unit's gradient then depends on its own examples
     only, and is used only if that function is the one tf_keras recorded:
-    its unit losses must match ``unit_losses`` (all units, this step);
-    otherwise (a layer mixing examples, untracked randomness) this step takes
-    the jacobian, in the graph (``tf.cond``).
+    its unit losses must match ``unit_losses`` (all units, this step).
+    Otherwise a layer mixes examples (or draws untracked randomness): the
+    jacobian rows would not be per-example gradients either, so the step
+    fails with an error before any update.
     """
     def jacobian():
       return tape.jacobian(
@@ -324,10 +338,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     agree = tf.reduce_all(tf.abs(losses - unit_losses) <= _AGREEMENT_TOL * (
         1.0 + tf.abs(unit_losses)))
 
-    def vectorized():
-      with tf.control_dependencies([self._vectorized_steps.assign_add(1)]):
-        return [tf.identity(g) for g in grads]
-    return tf.cond(agree, vectorized, jacobian)
+    checked = tf.debugging.Assert(agree, [_MIXING_ERROR])
+    with tf.control_dependencies([checked,
+                                  self._vectorized_steps.assign_add(1)]):
+      return [tf.identity(g) for g in grads]
 
   def _vectorized(self, loss, tape, unit_losses, var_list):
     """``((grads, unit losses), "vectorized")`` or ``(None, "jacobian: why")``.

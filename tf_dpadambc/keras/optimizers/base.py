@@ -26,6 +26,7 @@ from tf_dpadambc._checks import check_positive
 from tf_dpadambc.accounting import events
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import diagnostics
+from tf_dpadambc.core import ghost
 from tf_dpadambc.core import noise as core_noise
 
 PACKAGE = "tf_dpadambc"
@@ -526,9 +527,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     variables = self._variables_of_step(trainable_variables)
     if self.query is None:
       result = clipping.materialized_clipped_sum(
-          [g if unit_mask is None else tf.where(
-              tf.reshape(unit_mask, [-1] + [1] * (g.shape.rank - 1)), g,
-              tf.zeros_like(g)) for g in per_unit_grads],
+          [g if unit_mask is None else ghost.masked(g, unit_mask)
+           for g in per_unit_grads],
           self.clip_spec(variables))
       self.apply_private(result, num_units, num_examples, variables)
       return result
