@@ -7,22 +7,20 @@ adjacency (Abadi et al. 2016). A unit whose gradient is not finite contributes
 exactly zero (it stays bounded) and is counted, so one bad example cannot
 poison a step.
 
-Two ways to get Σ_u clip_C(g_u), both exact:
-
-* ``materialized``: per-unit gradients (U x model size), clipped and summed.
-* ``reweighted``: per-unit norms first, then one backward pass of the
-  re-weighted batch loss Σ_u c_u ℓ_u with c_u = min(1, C/‖g_u‖) held constant,
-  whose gradient is Σ_u c_u g_u (the trick behind ghost clipping, Goodfellow
-  2015; Li et al. 2022). Valid only when the batched forward pass computes the
-  same per-unit losses as the per-unit one: no randomness in the forward pass
-  and no data-dependent extra losses.
+Σ_u clip_C(g_u) is formed here from materialized per-unit gradients
+(U x model size); ``keras.ghost`` forms it from per-unit activations and
+output gradients instead. Either way a unit's clip factor is computed from
+exactly the values its contribution is built from, so the bound holds by
+construction. (An earlier "re-weighted" path — per-unit norms, then one
+backward pass of the batched loss Σ_u c_u ℓ_u — was removed: it was exact
+only if the batched pass computed the per-unit gradients, which agreeing loss
+values cannot prove.)
 
 A :class:`ClipSpec` says how units are clipped: one global bound C (the
 default), one bound C_k per parameter tensor ("per-layer"; sensitivity
 ‖(C_k)‖₂), automatic clipping (factor C/(‖g‖+γ), Bu et al. 2023), and a
 per-coordinate scale s under which s⊙g_u is clipped (scale-then-privatize,
-delayed and public preconditioners). Per-layer bounds and the sum of squared
-clipped gradients (joint moment estimation) need the materialized path.
+delayed and public preconditioners).
 """
 import collections
 import math
@@ -41,8 +39,8 @@ grads: list of tensors shaped like the parameters, Σ_u clip_C(g_u).
 norms: [U] per-unit gradient norms before clipping (inf/nan where not finite).
 num_clipped: number of units with ‖g_u‖ > C (scaled down).
 num_nonfinite: number of units whose gradient was not finite (zeroed).
-mismatch: True if the re-weighted pass could not be verified (the batched
-  losses differ from the per-unit ones); ``grads`` are then all zero.
+mismatch: True if the step could not be verified (the train step's
+  batch-consistency check failed); ``grads`` are then all zero.
 square_grads: Σ_u clip(g_u)⊙clip(g_u) when the spec asks for it, else None.
 
 Under a :class:`ClipSpec` with a scale s, ``grads`` is Σ_u clip(s⊙g_u), in
@@ -74,10 +72,6 @@ class ClipSpec(collections.namedtuple(
     if self.layer_clips is not None:
       return math.sqrt(sum(float(c) ** 2 for c in self.layer_clips))
     return self.l2_norm_clip
-
-  @property
-  def needs_materialized(self):
-    return self.layer_clips is not None or bool(self.square_sum)
 
 
 def as_spec(clip):
@@ -182,75 +176,21 @@ def materialized_clipped_sum(per_unit_grads, clip):
                   was_clipped, ok, square_grads=squares)
 
 
-def reweighted_gradient(batch_unit_losses_fn, params, weights):
-  """∇_θ Σ_u w_u ℓ_u(θ) with the weights held constant: Σ_u w_u g_u."""
-  weights = tf.stop_gradient(weights)
-  with tf.GradientTape() as tape:
-    tape.watch(params)
-    losses = batch_unit_losses_fn(params)
-    # A [U, 1] against [U] would broadcast to U x U and sum unclipped terms.
-    losses.shape.assert_is_compatible_with(weights.shape)
-    total = tf.reduce_sum(weights * losses)
-  grads = tape.gradient(
-      total, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-  return grads, losses
-
-
-def clipped_gradient_sum(unit_loss_fn, batch_unit_losses_fn, params, units,
-                         clip, rtol=1e-4):
+def clipped_gradient_sum(unit_loss_fn, params, units, clip):
   """Σ_u clip_C(g_u) for the units of one batch, and the forward outputs.
 
   Args:
     unit_loss_fn: ``(params, unit) -> (loss, aux)`` for one unit.
-    batch_unit_losses_fn: ``(params, indices) -> [U]`` losses of one batched
-      forward pass in which unit u is given the data of unit ``indices[u]``
-      (the same values ``unit_loss_fn`` gives); or ``None`` where that is not
-      exact (stochastic layers, data-dependent extra losses), to materialize
-      the per-unit gradients instead.
     params: list of parameter tensors.
     units: nested structure of tensors with leading axis U.
-    clip: C > 0, or a :class:`ClipSpec`. Specs with per-layer bounds or a
-      sum of squares always use the materialized path.
-    rtol: how closely the batched losses must match the per-unit ones.
+    clip: C > 0, or a :class:`ClipSpec`.
 
   Returns:
-    ``(ClippedSum, unit_losses [U], aux stacked over units)``.
-
-  The re-weighted sum is used only if the batched pass reproduces every
-  unit's loss of the per-unit pass (relative tolerance ``rtol``). If anything
-  makes it differ (a layer or loss mixing examples, randomness Keras does not
-  track) the sum is set to zero — the step releases noise only, so privacy
-  holds — and ``mismatch`` is True for the caller to report. (A ``tf.cond``
-  falling back to the materialized path would be exact, but under XLA it
-  slowed every step of a CNN 2.5x.)
-
-  In the re-weighted pass a unit whose norm is not finite gets weight 0 and
-  the data of a finite unit, so its non-finite values cannot reach the sum
-  (0 · nan is nan in a backward pass). Norms that overflow
-  float32 (‖g‖ ≳ 1e19) count as non-finite there; the materialized path
-  clips them exactly.
+    ``(ClippedSum, unit_losses [U], aux stacked over units)``. Each unit's
+    gradient is computed from that unit alone (``tf.vectorized_map``),
+    clipped, and summed.
   """
-  spec = as_spec(clip)
-  if batch_unit_losses_fn is None or spec.needs_materialized:
-    return _materialized(unit_loss_fn, params, units, spec)
-
-  norms, losses, aux = per_example.per_unit_norms(unit_loss_fn, params, units,
-                                                  scale=spec.scale)
-  ok = tf.math.is_finite(norms)
-  factors = clip_factors(norms, spec.l2_norm_clip, spec.automatic_gamma)
-  positions = tf.range(tf.shape(norms)[0])
-  stand_in = tf.argmax(tf.cast(ok, tf.int32), output_type=positions.dtype)
-  indices = tf.where(ok, positions, stand_in)
-  grads, batch_losses = reweighted_gradient(
-      lambda p: batch_unit_losses_fn(p, indices), params, factors)
-  same = losses_agree(batch_losses, tf.gather(losses, indices), rtol)
-  # Every unit non-finite: the stand-in is non-finite too; the sum is zero.
-  use = same & tf.reduce_any(ok)
-  grads = [tf.where(use, g, tf.zeros_like(g)) for g in grads]
-  if spec.scale is not None:  # Σ_u c_u s⊙g_u = s⊙Σ_u c_u g_u
-    grads = [g * tf.cast(s, g.dtype) for g, s in zip(grads, spec.scale)]
-  return (_summary(grads, norms, factors < 1.0, ok, mismatch=~same), losses,
-          aux)
+  return _materialized(unit_loss_fn, params, units, as_spec(clip))
 
 
 def losses_agree(batch_losses, unit_losses, rtol=1e-4):

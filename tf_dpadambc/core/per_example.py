@@ -18,6 +18,10 @@ import warnings
 
 import tensorflow as tf
 
+from tf_dpadambc.core import _pfor_compat
+
+_pfor_compat.install()
+
 
 class _LoopedOps(logging.Filter):
   """Collects TensorFlow's per-op 'uses a while_loop' vectorization warnings."""

@@ -1,9 +1,10 @@
 """Ghost clipping with book-keeping for Keras 3 models (the fast path).
 
-One batched forward pass records, for every layer that owns trainable
-weights, what its weight gradients are made of (its input ``a`` and its
-pre-activation output ``z``); one backward pass of L = Σ_u ℓ_u gives
-δ = ∂L/∂z for every recorded call. Then, per layer (``core.ghost``):
+Every unit (example or microbatch) is evaluated on its own, inside
+``tf.vectorized_map``: its forward pass records, for every layer that owns
+trainable weights, what its weight gradients are made of (the layer's input
+``a`` and its pre-activation output ``z``), and its own backward pass gives
+δ_u = ∂ℓ_u/∂z. Then, per layer (``core.ghost``):
 
 =================================  ===========================================
 Dense, EinsumDense                 ‖A_uᵀΔ_u‖: ghost norm or materialized,
@@ -20,12 +21,24 @@ and the clipped sum Σ_u c_u ∇W_u from the same a and δ (book-keeping: no
 second backward pass). MultiHeadAttention is covered by its EinsumDense
 projections.
 
+Why privacy holds for any model (not only for models whose axis 0 is "one row
+per example"): every recorded tensor of unit u comes out of unit u's own
+evaluation under ``vectorized_map``, whose semantics are those of a loop over
+units — no other example can reach it, whatever the model does with its axes
+(folding the batch into positions, concatenating two inputs along axis 0,
+shifting, gathering or averaging over axis 0). Unit u's clip factor is
+computed from exactly the tensors its contribution to the sum is built from,
+so each unit adds at most C. Nothing here assumes that the model keeps the
+batch axis; a model that mixes examples is merely evaluated per unit (and
+refused by the train step's batch-consistency check, see ``training``).
+
 The forward pass runs in a Keras ``StatelessScope`` that sees every read of a
 trainable variable: a weight read outside its own layer's call (tied
 weights, a weight used directly in ``Model.call``) would make the recorded
-gradients incomplete, so the whole model then uses the vectorized path, and
-so do models whose layers cannot be recorded (several tensor inputs of one
-layer with weights, randomness in such a layer, quantized or LoRA layers).
+gradients incomplete (a utility problem: the norm and the sum would both miss
+it), so the whole model then uses the vectorized path, and so do models whose
+layers cannot be recorded (several tensor inputs of one layer with weights,
+randomness in such a layer, quantized or LoRA layers).
 What each layer used is kept in a :class:`ClippingPlan`.
 """
 import collections
@@ -36,7 +49,6 @@ import tensorflow as tf
 
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import ghost
-from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
 
 
@@ -78,14 +90,60 @@ class ClippingPlan:
 
 
 class _Call(collections.namedtuple("_Call", ["inputs", "kwargs", "z"])):
-  """One recorded call: the layer's input, other call arguments, and z."""
+  """One recorded call, stacked over units: ``inputs`` [U, *a_u] (the
+  layer's input in unit u's own evaluation), ``z`` [U, *z_u] (its output, or
+  after the backward pass δ), and the call's other, non-tensor arguments."""
+
+  @property
+  def rows(self):
+    """How many leading rows one unit owns in :meth:`merged` tensors."""
+    return _rows(self.inputs)
+
+  def merged(self, t):
+    """[U, n, ...] -> [U·n, ...]: unit u's rows n·u … n·u + n − 1, the layout
+    Keras layers expect (a unit tensor without a row axis is kept as is)."""
+    if self.inputs.shape.rank < 3:
+      return t
+    return tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+
+
+def _rows(stacked):
+  """n: rows per unit of a stacked [U, n, ...] tensor (1 for [U] or [U, p])."""
+  if stacked.shape.rank < 3:
+    return 1
+  return stacked.shape[1] if stacked.shape[1] is not None else tf.shape(
+      stacked)[1]
+
+
+def _group(t, rows):
+  """[U·n, ...middle, last] (n = ``rows``) -> [U, T, last], a unit's positions
+  side by side; T = n·middle, static where the shapes are. Rank 1 (token ids
+  [U·n]) becomes [U, n]."""
+  if t.shape.rank == 1:
+    return tf.reshape(t, [-1, rows] if isinstance(rows, int) else tf.stack(
+        [-1, rows]))
+  middle = t.shape[1:-1]
+  last = t.shape[-1] if t.shape[-1] is not None else tf.shape(t)[-1]
+  if isinstance(rows, int) and middle.is_fully_defined():
+    return tf.reshape(t, [-1, rows * middle.num_elements(), last])
+  per_unit = rows * tf.reduce_prod(tf.shape(t)[1:-1])
+  return tf.reshape(t, tf.stack([-1, per_unit, last]))
+
+
+def _per_unit_sum(t, rows):
+  """[U·n, ...] per-row values -> [U, ...] per-unit sums."""
+  if isinstance(rows, int) and rows == 1:
+    return t
+  return tf.reduce_sum(tf.reshape(t, tf.concat([[-1, rows], tf.shape(t)[1:]],
+                                               0)), axis=1)
 
 
 class _Rule:
   """How one layer's per-unit norms and clipped sums are formed from (a, δ).
 
   ``variables``: the layer's trainable variables in the order the rule
-  returns norms and gradients.
+  returns norms and gradients. ``calls``: the layer's recorded calls, stacked
+  over units (:class:`_Call`); ``deltas``: one δ per call, stacked alike.
   """
   pre_activation = True  # z is the output before the layer's activation
 
@@ -93,18 +151,18 @@ class _Rule:
     self.layer = layer
     self.calls = []
 
-  def plan(self, num_microbatches):
+  def plan(self):
     raise NotImplementedError
 
-  def sq_norms(self, deltas, num_microbatches, scales):
+  def sq_norms(self, deltas, scales):
     """[U] squared norms per variable (``scales``: None or one s per variable)."""
     raise NotImplementedError
 
-  def grads(self, deltas, num_microbatches, weights):
+  def grads(self, deltas, weights):
     """Σ_u w_u ∇_v ℓ_u per variable (``weights``: one [U] per variable)."""
     raise NotImplementedError
 
-  def square_sums(self, deltas, num_microbatches, weights):
+  def square_sums(self, deltas, weights):
     """Σ_u w_u² ∇_v ℓ_u ⊙ ∇_v ℓ_u per variable (joint moment estimation)."""
     raise NotImplementedError
 
@@ -116,23 +174,24 @@ class _Linear(_Rule):
     super().__init__(layer)
     self.variables = [layer.kernel] + ([layer.bias] if _has_bias(layer) else [])
 
-  def features(self, call, delta):
-    """(a [B, T, p], δ [B, T, d]) of one call: its linear form's two sides."""
+  def features(self, inputs, delta):
+    """(a [N, T, p], δ [N, T, d]) of one call's merged rows: the two sides
+    of its linear form."""
     raise NotImplementedError
 
-  def _ad(self, deltas, num_microbatches):
-    pairs = [self.features(call, delta)
+  def _ad(self, deltas):
+    pairs = [(call.rows, self.features(call.merged(call.inputs),
+                                       call.merged(delta)))
              for call, delta in zip(self.calls, deltas)]
-    a = tf.concat([ghost.group_units(a, num_microbatches)
-                   for a, _ in pairs], 1)
-    d = tf.concat([ghost.group_units(d, num_microbatches)
-                   for _, d in pairs], 1)
+    a = tf.concat([_group(a, rows) for rows, (a, _) in pairs], 1)
+    d = tf.concat([_group(d, rows) for rows, (_, d) in pairs], 1)
     return a, d
 
-  def _unit_bias_grads(self, deltas, num_microbatches):
+  def _unit_bias_grads(self, deltas):
     shape = list(self.layer.bias.shape)
-    return tf.add_n([ghost.per_unit_sum(ghost.broadcast_grads(d, shape),
-                                        num_microbatches) for d in deltas])
+    return tf.add_n([_per_unit_sum(ghost.broadcast_grads(call.merged(d),
+                                                         shape), call.rows)
+                     for call, d in zip(self.calls, deltas)])
 
   def kernel_shape_grad(self, grad):
     return tf.reshape(grad, self.layer.kernel.shape)
@@ -140,41 +199,40 @@ class _Linear(_Rule):
   def flat_kernel(self, t):
     return tf.reshape(t, [-1, t.shape[-1]])
 
-  def sq_norms(self, deltas, num_microbatches, scales):
-    a, d = self._ad(deltas, num_microbatches)
+  def sq_norms(self, deltas, scales):
+    a, d = self._ad(deltas)
     scale = None if scales[0] is None else self.flat_kernel(scales[0])
     norms = [ghost.linear_sq_norms(a, d, scale)]
     if len(self.variables) > 1:
-      g = self._unit_bias_grads(deltas, num_microbatches)
+      g = self._unit_bias_grads(deltas)
       if scales[1] is not None:
         g *= tf.cast(scales[1], g.dtype)
       norms.append(ghost.sum_squares(g))
     return norms
 
-  def kernel_sum(self, deltas, num_microbatches, weights):
+  def kernel_sum(self, deltas, weights):
     """Σ_u w_u ∇K_u, book-kept from (a, δ)."""
-    a, d = self._ad(deltas, num_microbatches)
+    a, d = self._ad(deltas)
     return self.kernel_shape_grad(ghost.linear_grad(a, d, weights))
 
-  def grads(self, deltas, num_microbatches, weights):
-    grads = [self.kernel_sum(deltas, num_microbatches, weights[0])]
+  def grads(self, deltas, weights):
+    grads = [self.kernel_sum(deltas, weights[0])]
     if len(self.variables) > 1:
-      grads.append(ghost.weighted_sum(
-          self._unit_bias_grads(deltas, num_microbatches), weights[1]))
+      grads.append(ghost.weighted_sum(self._unit_bias_grads(deltas),
+                                      weights[1]))
     return grads
 
-  def square_sums(self, deltas, num_microbatches, weights):
-    a, d = self._ad(deltas, num_microbatches)
+  def square_sums(self, deltas, weights):
+    a, d = self._ad(deltas)
     squares = [self.kernel_shape_grad(
         ghost.linear_square_sum(a, d, weights[0]))]
     if len(self.variables) > 1:
       squares.append(ghost.weighted_sum(tf.square(
-          self._unit_bias_grads(deltas, num_microbatches)),
-                                        tf.square(weights[1])))
+          self._unit_bias_grads(deltas)), tf.square(weights[1])))
     return squares
 
-  def plan(self, num_microbatches):
-    a, _ = self._ad([c.z for c in self.calls], num_microbatches)
+  def plan(self):
+    a, _ = self._ad([c.z for c in self.calls])
     positions = a.shape[1]
     p, d = self.flat_kernel(self.layer.kernel).shape
     if positions == 1:
@@ -189,25 +247,26 @@ class _Linear(_Rule):
 
 class _Dense(_Linear):
 
-  def features(self, call, delta):
-    return call.inputs, delta
+  def features(self, inputs, delta):
+    return inputs, delta
 
 
 class _Conv(_Linear):
 
-  def features(self, call, delta):
+  def features(self, inputs, delta):
     layer = self.layer
-    a = ghost.conv_patches(call.inputs, layer.kernel_size, layer.strides,
+    a = ghost.conv_patches(inputs, layer.kernel_size, layer.strides,
                            layer.padding, layer.dilation_rate)
     return a, _flatten_positions(delta)
 
-  def kernel_sum(self, deltas, num_microbatches, weights):
-    # By the convolution's own filter-gradient op: no patches. Microbatch
-    # weights are repeated for their examples.
+  def kernel_sum(self, deltas, weights):
+    # By the convolution's own filter-gradient op: no patches. A unit's
+    # weight is repeated for each of its rows.
     layer = self.layer
     return tf.add_n([ghost.conv_grad(
-        c.inputs, d, weights if num_microbatches is None else tf.repeat(
-            weights, tf.shape(c.inputs)[0] // num_microbatches),
+        c.merged(c.inputs), c.merged(d),
+        weights if isinstance(c.rows, int) and c.rows == 1 else tf.repeat(
+            weights, c.rows),
         layer.kernel.shape, layer.strides, layer.padding, layer.dilation_rate)
                      for c, d in zip(self.calls, deltas)])
 
@@ -242,10 +301,10 @@ class _EinsumDense(_Linear):
             and len(set(inputs)) == len(inputs)
             and len(set(output)) == len(output))
 
-  def features(self, call, delta):
-    inputs, _, output = self.terms
-    a = tf.transpose(call.inputs, [inputs.index(c)
-                                   for c in self.free + self.contracted])
+  def features(self, inputs, delta):
+    terms, _, output = self.terms
+    a = tf.transpose(inputs, [terms.index(c)
+                              for c in self.free + self.contracted])
     d = tf.transpose(delta, [output.index(c) for c in self.free + self.out])
     n = len(self.free)
     return (_flatten_positions(a, _product(a.shape[n:])),
@@ -288,33 +347,30 @@ class _Embedding(_Rule):
     super().__init__(layer)
     self.variables = [layer.embeddings]
 
-  def _ids_deltas(self, deltas, num_microbatches):
-    def unit_ids(ids):
-      ids = tf.cast(ids, tf.int64)
-      if num_microbatches is None:
-        return tf.reshape(ids, [tf.shape(ids)[0], -1])
-      return tf.reshape(ids, [num_microbatches, -1])
-    ids = tf.concat([unit_ids(c.inputs) for c in self.calls], 1)
-    d = tf.concat([ghost.group_units(delta, num_microbatches)
-                   for delta in deltas], 1)
+  def _ids_deltas(self, deltas):
+    ids = tf.concat([tf.reshape(tf.cast(c.inputs, tf.int64),
+                                [tf.shape(c.inputs)[0], -1])
+                     for c in self.calls], 1)
+    d = tf.concat([_group(c.merged(delta), c.rows)
+                   for c, delta in zip(self.calls, deltas)], 1)
     return ids, d
 
-  def sq_norms(self, deltas, num_microbatches, scales):
-    ids, d = self._ids_deltas(deltas, num_microbatches)
+  def sq_norms(self, deltas, scales):
+    ids, d = self._ids_deltas(deltas)
     return [ghost.embedding_sq_norms(ids, d, self.layer.embeddings.shape[0],
                                      scales[0])]
 
-  def grads(self, deltas, num_microbatches, weights):
-    ids, d = self._ids_deltas(deltas, num_microbatches)
+  def grads(self, deltas, weights):
+    ids, d = self._ids_deltas(deltas)
     return [ghost.embedding_grad(ids, d, weights[0],
                                  self.layer.embeddings.shape[0])]
 
-  def square_sums(self, deltas, num_microbatches, weights):
-    ids, d = self._ids_deltas(deltas, num_microbatches)
+  def square_sums(self, deltas, weights):
+    ids, d = self._ids_deltas(deltas)
     return [ghost.embedding_square_sum(ids, d, weights[0],
                                        self.layer.embeddings.shape[0])]
 
-  def plan(self, num_microbatches):
+  def plan(self):
     return "row sums of δ per unit (sorted ids)"
 
 
@@ -323,36 +379,36 @@ class _Materialized(_Rule):
 
   _cache = None
 
-  def _unit_grads(self, deltas, num_microbatches):
+  def _unit_grads(self, deltas):
     """One [U, *v.shape] tensor per variable."""
     raise NotImplementedError
 
-  def _per_unit(self, deltas, num_microbatches):
+  def _per_unit(self, deltas):
     # Norms and sums use the same per-unit gradients: build them once.
     if self._cache is None or self._cache[0] is not deltas:
-      self._cache = deltas, self._unit_grads(deltas, num_microbatches)
+      self._cache = deltas, self._unit_grads(deltas)
     return self._cache[1]
 
-  def sq_norms(self, deltas, num_microbatches, scales):
+  def sq_norms(self, deltas, scales):
     return [ghost.sum_squares(g if s is None else g * tf.cast(s, g.dtype)[None])
-            for g, s in zip(self._per_unit(deltas, num_microbatches),
-                            scales)]
+            for g, s in zip(self._per_unit(deltas), scales)]
 
-  def grads(self, deltas, num_microbatches, weights):
+  def grads(self, deltas, weights):
     return [ghost.weighted_sum(g, w) for g, w in
-            zip(self._per_unit(deltas, num_microbatches), weights)]
+            zip(self._per_unit(deltas), weights)]
 
-  def square_sums(self, deltas, num_microbatches, weights):
+  def square_sums(self, deltas, weights):
     return [ghost.weighted_sum(tf.square(g), tf.square(w)) for g, w in
-            zip(self._per_unit(deltas, num_microbatches), weights)]
+            zip(self._per_unit(deltas), weights)]
 
 
 class _Normalization(_Materialized):
   """z = x̂ ⊙ γ + β (LayerNormalization, GroupNormalization, trailing axes).
 
   x̂ does not depend on γ, β: it is recomputed by the layer's own call with
-  γ = 1, β = 0, and the per-unit gradients Σ_t δ_t ⊙ x̂_t and Σ_t δ_t are
-  materialized (2d numbers per unit).
+  γ = 1, β = 0 (row by row: these layers normalize within a row), and the
+  per-unit gradients Σ_t δ_t ⊙ x̂_t and Σ_t δ_t are materialized (2d numbers
+  per unit).
   """
   pre_activation = False
 
@@ -374,21 +430,23 @@ class _Normalization(_Materialized):
         layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]))
     return axes == list(range(rank - len(axes), rank))
 
-  def _unit_grads(self, deltas, num_microbatches):
+  def _unit_grads(self, deltas):
     layer = self.layer
     neutral = [(v, (tf.ones if v is layer.gamma else tf.zeros)(v.shape, v.dtype))
                for v in self.variables]
     total = None
     for call, delta in zip(self.calls, deltas):
       with keras.StatelessScope(neutral, initialize_variables=False):
-        normalized = self.original_call(call.inputs, **call.kwargs)
-      grads = [ghost.per_unit_sum(ghost.broadcast_grads(
+        normalized = self.original_call(call.merged(call.inputs),
+                                        **call.kwargs)
+      delta = call.merged(delta)
+      grads = [_per_unit_sum(ghost.broadcast_grads(
           delta * normalized if v is layer.gamma else delta, v.shape),
-                                  num_microbatches) for v in self.variables]
+                             call.rows) for v in self.variables]
       total = grads if total is None else [a + b for a, b in zip(total, grads)]
     return total
 
-  def plan(self, num_microbatches):
+  def plan(self):
     return "materialized per unit (x̂ recomputed; 2d numbers per unit)"
 
 
@@ -396,8 +454,8 @@ class _PerLayer(_Materialized):
   """Per-unit gradients of one layer's own weights, vectorized over units.
 
   Re-runs only this layer on each unit's recorded input, with its output
-  gradient δ: ∇_w ⟨layer_w(x_u), δ_u⟩. Exact for any layer whose output for
-  an example depends on that example's input only.
+  gradient δ: ∇_w ⟨layer_w(x_u), δ_u⟩, each unit alone (``vectorized_map``
+  over the stacked calls: exact by construction).
   """
   pre_activation = False
 
@@ -407,11 +465,9 @@ class _PerLayer(_Materialized):
     self.variables = list(_compat.own_trainable_variables(layer))
     self.values = values
 
-  def _unit_grads(self, deltas, num_microbatches):
+  def _unit_grads(self, deltas):
     total = None
     for call, delta in zip(self.calls, deltas):
-      units = per_example.split_microbatches((call.inputs, delta),
-                                             num_microbatches)
       values = [self.values[id(v)] for v in self.variables]
 
       def unit_grads(unit, values=values, kwargs=call.kwargs):
@@ -424,12 +480,12 @@ class _PerLayer(_Materialized):
           inner = tf.reduce_sum(y * tf.cast(d, y.dtype))
         return tape.gradient(inner, values,
                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      grads = tf.vectorized_map(unit_grads, units,
+      grads = tf.vectorized_map(unit_grads, (call.inputs, delta),
                                 fallback_to_while_loop=False)
       total = grads if total is None else [a + b for a, b in zip(total, grads)]
     return total
 
-  def plan(self, num_microbatches):
+  def plan(self):
     return "per-layer vectorized per-unit gradients (no ghost rule)"
 
 
@@ -477,12 +533,25 @@ class _TrackingScope(keras.StatelessScope):
     return super().get_current_value(variable)
 
 
-class _Recorder:
-  """Installs recording wrappers on the layers' ``call`` while tracing."""
+class _TrackingScope(keras.StatelessScope):
+  """A StatelessScope that checks who reads each trainable variable."""
 
-  def __init__(self, model, params, tape):
+  def __init__(self, mapping, on_read):
+    super().__init__(mapping, collect_losses=True)
+    self._on_read = on_read
+
+  def get_current_value(self, variable):
+    self._on_read(variable)
+    return super().get_current_value(variable)
+
+
+class _Recorder:
+  """Installs recording wrappers on the layers' ``call`` while a unit's
+  forward pass is traced (inside ``vectorized_map``)."""
+
+  def __init__(self, model, params):
     self.model = model
-    self.tape = tape
+    self.tape = None
     self.stack = []
     self.problem = None
     trainable = model.trainable_variables
@@ -550,6 +619,7 @@ class _Recorder:
 
   def __enter__(self):
     for rule, (layer, original, _) in zip(self.rules, self._originals):
+      rule.calls = []
       object.__setattr__(layer, "call", self._wrap(rule, original))
     return self
 
@@ -561,62 +631,65 @@ class _Recorder:
         object.__setattr__(layer, "call", own)
 
 
-def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
-                num_microbatches):
+def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
   """Σ_u clip(∇ℓ_u) by ghost norms and book-keeping; raises :class:`Unsupported`.
 
   Args:
     model: a built Keras 3 model.
     params, non_trainable: the values of its trainable and non-trainable
       variables (as for ``model.stateless_call``).
-    x: the batch's inputs.
-    unit_losses_fn: ``y_pred -> [U]``, the units' losses from the batched
-      predictions (sample weights applied, examples grouped in units).
+    units: ``(x, y, sample_weight)`` split into units, every tensor with
+      leading axis U (``per_example.split_microbatches``).
+    unit_loss_fn: ``(y_u, y_pred_u, w_u) -> scalar``, one unit's loss from
+      its own predictions (sample weights applied).
     spec: a :class:`~tf_dpadambc.core.clipping.ClipSpec`.
-    num_microbatches: None (every example is a unit) or M, the number of
-      equal microbatches.
 
   Returns:
-    ``(ClippedSum, unit_losses, y_pred, plan)``. ``ClippedSum.mismatch`` is
-    left False; the caller checks that examples do not mix.
+    ``(ClippedSum, unit_losses [U], y_pred [U, ...] stacked over units,
+    plan)``.
   """
   if model.dtype_policy.quantization_mode is not None or getattr(
       model, "_remat_mode", None) is not None:
     raise Unsupported("the model is quantized or rematerialized")
   mapping = (list(zip(model.trainable_variables, params))
              + list(zip(model.non_trainable_variables, non_trainable)))
-  # The same values with the batch axis unknown to the tracer: every tensor
-  # computed per example then has an unknown first axis, so a layer called
-  # on something else (position ids from a range, a constant) is caught.
-  x = tf.nest.map_structure(lambda t: tf.raw_ops.PlaceholderWithDefault(
-      input=t, shape=[None] + tf.convert_to_tensor(t).shape[1:]), x)
-  with tf.GradientTape() as tape:
-    recorder = _Recorder(model, params, tape)
-    with recorder, _TrackingScope(mapping, recorder.on_read) as scope:
-      y_pred = model.call(x, training=True)
-      extra = model.losses
-    if scope.losses or extra:
-      raise Unsupported("the model adds losses (regularizers or add_loss)")
-    if recorder.problem:
-      raise Unsupported(recorder.problem)
-    for rule in recorder.rules:
-      for call in rule.calls:
-        if call.inputs.shape.rank == 0 or call.z.shape.rank == 0 or (
-            call.inputs.shape[0] is not None or call.z.shape[0] is not None):
-          raise Unsupported(
-              f"layer '{rule.layer.name}' is called on a tensor without the "
-              "batch axis (e.g. position ids from a range): its gradient "
-              "cannot be split by example")
-    unit_losses = unit_losses_fn(y_pred)
-    total = tf.reduce_sum(unit_losses)
+  recorder = _Recorder(model, params)
   rules = recorder.rules
-  zs = [c.z for rule in rules for c in rule.calls]
-  flat_deltas = tape.gradient(total, zs,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+  def evaluate_unit(unit):
+    """Unit u alone: its loss, predictions, recorded inputs and δ_u."""
+    ux, uy, uw = unit
+    with tf.GradientTape() as tape:
+      recorder.tape = tape
+      with recorder, _TrackingScope(mapping, recorder.on_read) as scope:
+        y_pred = model.call(ux, training=True)
+        extra = model.losses
+      if scope.losses or extra:
+        raise Unsupported("the model adds losses (regularizers or add_loss)")
+      if recorder.problem:
+        raise Unsupported(recorder.problem)
+      loss = unit_loss_fn(uy, y_pred, uw)
+    calls = [c for rule in rules for c in rule.calls]
+    for c in calls:
+      if c.inputs.dtype.is_floating and c.inputs.dtype != c.z.dtype:
+        raise Unsupported("layers compute in a dtype other than their "
+                          "inputs' (mixed precision)")
+    deltas = tape.gradient(loss, [c.z for c in calls],
+                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return loss, y_pred, [c.inputs for c in calls], deltas
+
+  unit_losses, y_pred, inputs, flat_deltas = tf.vectorized_map(
+      evaluate_unit, units, fallback_to_while_loop=False)
+  # Swap each rule's per-unit records for the stacked ones (same order).
   deltas, start = [], 0
   for rule in rules:
-    deltas.append(flat_deltas[start:start + len(rule.calls)])
-    start += len(rule.calls)
+    n = len(rule.calls)
+    rule.calls = [_Call(a, c.kwargs, None) for a, c in
+                  zip(inputs[start:start + n], rule.calls)]
+    deltas.append(flat_deltas[start:start + n])
+    start += n
+  for rule, d in zip(rules, deltas):
+    rule.calls = [c._replace(z=delta) for c, delta in zip(rule.calls, d)]
 
   index = {id(v): i for i, v in enumerate(model.trainable_variables)}
   scales = spec.scale
@@ -626,7 +699,7 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
       continue
     rule_scales = [None if scales is None else scales[index[id(v)]]
                    for v in rule.variables]
-    for v, s in zip(rule.variables, rule.sq_norms(d, num_microbatches, rule_scales)):
+    for v, s in zip(rule.variables, rule.sq_norms(d, rule_scales)):
       sq[index[id(v)]] = s
   zero = tf.zeros_like(unit_losses)
   sq = [zero if s is None else tf.cast(s, unit_losses.dtype) for s in sq]
@@ -642,6 +715,7 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
       raise ValueError(
           f"{len(spec.layer_clips)} per-layer clip norms for {len(params)} "
           "trainable variables: give one per variable.")
+    # A unit is dropped whole if any of its tensors is not finite.
     weights = [tf.where(ok, clipping.clip_factors(tf.sqrt(s), c,
                                                   spec.automatic_gamma), 0.)
                for s, c in zip(sq, spec.layer_clips)]
@@ -652,8 +726,7 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
     for rule, d in zip(rules, deltas):
       if rule.calls:
         positions = [index[id(v)] for v in rule.variables]
-        values = getattr(rule, method)(d, num_microbatches,
-                                       [weights[i] for i in positions])
+        values = getattr(rule, method)(d, [weights[i] for i in positions])
         for i, g in zip(positions, values):
           out[i] = tf.cast(g, params[i].dtype)
     return out
@@ -666,7 +739,7 @@ def clipped_sum(model, params, non_trainable, x, unit_losses_fn, spec,
       squares = [q * s * s for q, s in zip(squares, scales)]
   plan = ClippingPlan(
       PlanEntry(rule.layer.name, type(rule.layer).__name__,
-                rule.plan(num_microbatches) if rule.calls else "not called")
+                rule.plan() if rule.calls else "not called")
       for rule in rules)
   result = clipping.ClippedSum(
       grads, norms, tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32)),

@@ -4,11 +4,12 @@ Keras 3's ``Model.train_step`` reduces the loss over the batch and gives the
 optimizer one aggregated gradient, from which no per-example bound can be
 recovered. ``make_private(model)`` installs a train step that
 
-1. evaluates the compiled loss per unit (example or microbatch) with
-   ``model.stateless_call`` inside ``tf.vectorized_map`` and gets every unit's
-   gradient norm (``core.per_example``);
-2. forms Σ_u clip_C(g_u) (``core.clipping``: one re-weighted backward pass, or
-   materialized per-unit gradients where that is not exact);
+1. evaluates every unit (example or microbatch) on its own, inside
+   ``tf.vectorized_map``: its forward pass, its loss and either the output
+   gradients of its layers (ghost clipping, ``keras.ghost``) or its whole
+   gradient (``core.per_example``);
+2. forms Σ_u clip_C(g_u) from those per-unit values (``core.clipping``), so
+   no unit adds more than C whatever the model does with the batch axis;
 3. hands the clipped sum to the DP optimizer, which adds the noise once per
    logical step and updates the weights (``DPOptimizer.apply_private``);
 
@@ -126,7 +127,6 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   """
   params, _, _, _, unit_loss_fn, units = _unit_losses(
       model, x, y, sample_weight, num_microbatches)
-  _refuse_unvectorizable(model, "the optimizer needs per-unit gradients")
   grads, losses, y_pred = per_example.per_unit_gradients(unit_loss_fn, params,
                                                          units)
   return grads, losses, per_example.merge_microbatches(y_pred)
@@ -146,39 +146,31 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   regularization losses of that unit's forward pass. The loss's own
   ``reduction`` is not used.
 
-  Stochastic layers (Dropout, GaussianNoise, ...) draw one set of random
-  values per step, shared by the units of the batch: random ops with a
-  per-unit seed have no vectorization rule in TensorFlow.
+  Every path evaluates each unit on its own (``tf.vectorized_map``, whose
+  semantics are a loop over units), and computes a unit's clip factor from
+  exactly the values its contribution is built from: one unit adds at most C
+  to the sum whatever the model does with the batch axis. Stochastic layers
+  (Dropout, GaussianNoise, ...) draw one set of random values per step,
+  shared by the units of the batch.
 
   ``method``: ``"auto"`` (ghost norms with book-keeping where the model
-  allows it, ``keras.ghost``; vectorized per-unit gradients otherwise),
+  allows it, ``keras.ghost``; materialized per-unit gradients otherwise),
   ``"ghost"`` (raise ``ValueError`` where it is not possible) or
   ``"vectorized"``. The plan used is kept for :func:`clipping_plan`.
 
   Returns:
     ``(ClippedSum, unit_losses [U], y_pred)`` with ``y_pred`` the batch's
-    predictions in the original example order.
+    predictions (each unit's own) in the original example order.
   """
   if method not in _METHODS:
     raise ValueError(f"clipping={method!r}: use one of {_METHODS}.")
   (params, non_trainable, forward, example_loss, unit_loss_fn,
    units) = _unit_losses(model, x, y, sample_weight, num_microbatches)
 
-  def grouped_losses(y_true, y_pred, uw):
-    """[U] unit losses from a batched pass: weighted means over each unit."""
-    values = _per_example_values(example_loss, y_true, y_pred)
-    values = tf.reshape(values, tf.shape(uw)) * tf.cast(uw, values.dtype)
-    return tf.reduce_mean(values, axis=1)
+  def unit_loss(uy, y_pred, uw):
+    values = _per_example_values(example_loss, uy, y_pred)
+    return tf.reduce_mean(tf.cast(uw, values.dtype) * values)
 
-  def batch_unit_losses_fn(params, indices):
-    ux, uy, uw = tf.nest.map_structure(lambda t: tf.gather(t, indices), units)
-    y_pred, _ = forward(params, per_example.merge_microbatches(ux))
-    return grouped_losses(per_example.merge_microbatches(uy), y_pred, uw)
-
-  # Both fast paths are exact only if the batched forward pass gives every
-  # unit the loss the per-unit pass gives it. Known exceptions (add_loss /
-  # regularization losses, several losses) skip them; anything else is
-  # caught at run time by comparing losses (``mismatch``).
   probe = tf.nest.map_structure(lambda t: t[:1], x)
   _, extra_losses = forward(params, probe)
   spec = clipping.as_spec(clip)
@@ -190,58 +182,47 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   elif method != "vectorized":
     try:
       result, unit_losses, y_pred, plan = ghost.clipped_sum(
-          model, params, non_trainable, x,
-          lambda y_pred: grouped_losses(y, y_pred, units[2]), spec,
-          num_microbatches)
+          model, params, non_trainable, units, unit_loss, spec)
     except ghost.Unsupported as e:
       reason = str(e)
     else:
       _record_plan(model, plan)
-      # Examples must not mix: the first unit (and, without randomness, the
-      # last) evaluated alone must get the loss it got in the batch.
-      checks = [0] if _compat.seed_generators(model) else [0, -1]
-      alone = tf.stack([unit_loss_fn(
-          params, tf.nest.map_structure(lambda t, i=i: t[i], units))[0]
-                        for i in checks])
-      same = clipping.losses_agree(
-          tf.stack([unit_losses[i] for i in checks]), alone)
-      zeroed = lambda ts: ts if ts is None else [  # noqa: E731
-          tf.where(same, t, tf.zeros_like(t)) for t in ts]
-      return result._replace(
-          grads=zeroed(result.grads), square_grads=zeroed(result.square_grads),
-          mismatch=~same), unit_losses, y_pred
+      return result, unit_losses, per_example.merge_microbatches(y_pred)
   if method == "ghost":
     raise ValueError(f"clipping='ghost' is not possible: {reason}. Use "
                      "clipping='auto' or 'vectorized'.")
   if reason is None:
     reason = "clipping='vectorized' was chosen"
-  _refuse_unvectorizable(model, reason)
   _record_plan(model, ghost.ClippingPlan(fallback=reason))
-  reweight = (example_loss is not None and not extra_losses
-              and not _compat.seed_generators(model))
   result, unit_losses, y_pred = clipping.clipped_gradient_sum(
-      unit_loss_fn, batch_unit_losses_fn if reweight else None, params, units,
-      spec)
+      unit_loss_fn, params, units, spec)
   return result, unit_losses, per_example.merge_microbatches(y_pred)
 
 
-def _refuse_unvectorizable(model, reason):
-  """EinsumDense under tf.vectorized_map is wrong in TensorFlow 2.21.
+def examples_independent(model, x, num_microbatches=None, rtol=1e-4):
+  """True if the batched forward pass gives each unit the predictions it
+  gets alone (inference mode, so that randomness does not differ).
 
-  Per-unit losses came out different from the batched ones (every step then
-  releases noise only), and with MultiHeadAttention the process crashed with
-  heap corruption. Refuse before that, and say what to do.
+  Privacy does not rest on this (every private path evaluates units alone);
+  it says whether per-unit evaluation trains the model the user wrote. A
+  model whose layers mix examples of a batch (statistics over axis 0, a lag
+  across rows, attention over the batch) fails it.
   """
-  bad = [layer.name for layer in _compat.flatten_layers(model)
-         if isinstance(layer, (keras.layers.EinsumDense,
-                               keras.layers.MultiHeadAttention))]
-  if bad:
-    raise ValueError(
-        f"Layers {bad} (EinsumDense / MultiHeadAttention) cannot use "
-        "vectorized per-unit gradients: tf.vectorized_map computes them "
-        "wrongly in this TensorFlow. Ghost clipping handles them, but it is "
-        f"not possible for this model because {reason}. Use "
-        "clipping='auto' and remove that obstacle.")
+  non_trainable = [v.value for v in model.non_trainable_variables]
+  params = [v.value for v in model.trainable_variables]
+
+  def predict(inputs):
+    return model.stateless_call(params, non_trainable, inputs,
+                                training=False)[0]
+  batched = predict(x)
+  alone = per_example.merge_microbatches(tf.vectorized_map(
+      predict, per_example.split_microbatches(x, num_microbatches),
+      fallback_to_while_loop=False))
+  agree = [clipping.losses_agree(tf.cast(tf.reshape(b, [-1]), tf.float32),
+                                 tf.cast(tf.reshape(a, [-1]), tf.float32),
+                                 rtol)
+           for b, a in zip(tf.nest.flatten(batched), tf.nest.flatten(alone))]
+  return tf.reduce_all(tf.stack(agree))
 
 
 def _record_plan(model, plan):
@@ -343,16 +324,26 @@ def _dp_train_step(self, data):
         "expected_batch_size for fixed-size batches (shuffle accounting).")
   if getattr(optimizer, "public_data", None) is not None:
     _refresh_public_preconditioner(self, optimizer)
+  validation.check_model(self)
   batch_size = _batch_size(x)
+  # On the first step, is the model the user wrote (batched) the model that
+  # per-unit evaluation trains? If not, the step releases noise only and fit
+  # raises (privacy holds either way).
+  consistent = tf.cond(
+      tf.equal(optimizer.iterations, 0),
+      lambda: examples_independent(self, x, optimizer.num_microbatches),
+      lambda: tf.constant(True))
   if optimizer.query is not None:
     result, unit_losses, y_pred = _query_step(self, optimizer, x, y,
-                                              sample_weight, batch_size)
+                                              sample_weight, batch_size,
+                                              consistent)
     num_units = tf.shape(unit_losses)[0]
   else:
     result, unit_losses, y_pred = private_gradient_sum(
         self, x, y, sample_weight,
         optimizer.clip_spec(self.trainable_variables),
         optimizer.num_microbatches, getattr(self, _CLIPPING, "auto"))
+    result = _unless(consistent, result)
     num_units = tf.shape(unit_losses)[0]
     if replicated:
       tf.distribute.get_replica_context().merge_call(
@@ -380,7 +371,8 @@ def _dp_train_step(self, data):
         / tf.maximum(tf.cast(counted, tf.float32), 1.0),
         sample_weight=tf.cast(counted, tf.float32))
     nonfinite.update_state(tf.cast(result.num_nonfinite, tf.float32))
-    unverified.update_state(tf.cast(result.mismatch, tf.float32))
+  unverified.update_state(tf.cast(
+      ~consistent if result is None else result.mismatch, tf.float32))
   diagnostics = getattr(self, _DIAGNOSTICS)
   for name, value in optimizer.diagnostics().items():
     diagnostics[name].update_state(value)
@@ -444,7 +436,18 @@ def _apply_across_replicas(strategy, optimizer, result, num_units,
                           [total(g) for g in result.square_grads]))
 
 
-def _query_step(model, optimizer, x, y, sample_weight, batch_size):
+def _unless(consistent, result):
+  """The clipped sum, zeroed (noise only) where ``consistent`` is False."""
+  def keep(ts):
+    return ts if ts is None else [tf.where(consistent, t, tf.zeros_like(t))
+                                  for t in ts]
+  return result._replace(grads=keep(result.grads),
+                         square_grads=keep(result.square_grads),
+                         mismatch=result.mismatch | ~consistent)
+
+
+def _query_step(model, optimizer, x, y, sample_weight, batch_size,
+                consistent):
   """A step privatized by the optimizer's DPQuery.
 
   Queries that clip by L2 norm (Gaussian sum, adaptive clipping, normalized)
@@ -464,6 +467,7 @@ def _query_step(model, optimizer, x, y, sample_weight, batch_size):
   if spec is not None:
     result, unit_losses, y_pred = private_gradient_sum(
         model, x, y, sample_weight, spec, optimizer.num_microbatches, method)
+    result = _unless(consistent, result)
     optimizer.apply_query_clipped(result, tf.shape(unit_losses)[0],
                                   batch_size, model.trainable_variables,
                                   unit_mask=present)
@@ -476,7 +480,7 @@ def _query_step(model, optimizer, x, y, sample_weight, batch_size):
   # (the records of the other units are zeroed after preprocessing)
   optimizer.apply_per_unit(grads, tf.shape(unit_losses)[0], batch_size,
                            model.trainable_variables,
-                           unit_mask=finite & present)
+                           unit_mask=finite & present & consistent)
   return None, unit_losses, y_pred
 
 
@@ -506,13 +510,16 @@ def _checked_train_function(model):
       logs = function(*args, **kwargs)
       if float(logs.pop(_UNVERIFIED, 0.0)):
         raise RuntimeError(
-            "The batched forward pass did not reproduce the per-example "
-            "losses: a layer or the loss mixes examples of the batch, or "
-            "uses randomness Keras does not track (tf.random instead of a "
-            "keras.random.SeedGenerator). Per-example clipping cannot be "
-            "verified for such a model; the last step applied noise only. "
-            "Remove or fix that layer (use per-example layers such as "
-            "LayerNormalization, and keras.random with a SeedGenerator).")
+            "The model's output for an example depends on the other "
+            "examples of its batch (checked on the first step: the batched "
+            "forward pass did not reproduce each example's own output). A "
+            "layer or a Lambda mixes examples (statistics, shifts, lags or "
+            "attention over axis 0), or draws randomness Keras does not "
+            "track (tf.random instead of keras.random with a SeedGenerator) "
+            "in inference mode. Private training evaluates each example on "
+            "its own, which would train a different model; the step applied "
+            "noise only. Make every layer act on each example separately "
+            "(e.g. LayerNormalization instead of statistics over the batch).")
       return logs
     checked._tf_dpadambc_checked = True  # pylint: disable=protected-access
     model.train_function = checked
