@@ -401,7 +401,6 @@ def test_training_with_ghost_clipping_equals_vectorized_training():
 def test_clipping_plan_before_training_and_bad_method():
   model = dp.make_private(_mlp())
   model.compile(optimizer=dp.DPAdam(1.0, 1.0), loss=LOSS)
-  assert dp.clipping_plan(model) is None
   x, y = _data(model, np.random.default_rng(13))
   plan = dp.clipping_plan(model, x, y)
   assert len(plan.entries) == 2 and plan.fallback is None
@@ -422,3 +421,13 @@ def test_vectorized_path_is_exact_for_einsum_layers(builder, jit):
     assert_same(ghost_sum(model, x, y, None, spec, None, jit=jit,
                           method=method),
                 reference(model, x, y, None, spec, None), rtol=1e-4)
+
+
+def test_clipping_plan_before_training_traces_the_model():
+  model = dp.make_private(_conv1d())
+  plan = dp.clipping_plan(model)  # no data, no step yet
+  assert plan is not None and plan.fallback is None
+  assert [e.kind for e in plan.entries] == ["Conv1D", "Conv1D", "Dense"]
+  assert "ghost norm" in str(plan)
+  vectorized = dp.make_private(_mlp(), clipping="vectorized")
+  assert "was chosen" in dp.clipping_plan(vectorized).fallback

@@ -246,12 +246,13 @@ def _record_plan(model, plan):
 def clipping_plan(model, x=None, y=None, sample_weight=None):
   """How the private train step clips: a :class:`~tf_dpadambc.keras.ghost.ClippingPlan`.
 
-  Without data, the plan of the last traced train step (None before the
-  first). With a batch ``x, y``, traces the step's clipping on it (no weights
-  change) and returns that plan. ``print(plan)`` lists, per layer with
-  weights, the method: ghost norm, materialized per unit, row sums
-  (Embedding), or per-layer vectorized gradients; or why the whole model uses
-  vectorized per-unit gradients.
+  With a batch ``x, y``, traces the step's clipping on it (no weights
+  change) and returns that plan. Without data, the plan of the last traced
+  train step, or before the first one the plan traced on inputs of the
+  model's input shapes (zeros; the loss then does not matter). ``print(plan)``
+  lists, per layer with weights, the method: ghost norm, materialized per
+  unit, row sums (Embedding), or per-layer vectorized gradients; or why the
+  whole model uses vectorized per-unit gradients.
   """
   if x is not None:
     optimizer = model.optimizer
@@ -265,7 +266,45 @@ def clipping_plan(model, x=None, y=None, sample_weight=None):
         optimizer.clip_spec(model.trainable_variables),
         optimizer.num_microbatches,
         getattr(model, _CLIPPING, "auto"))).get_concrete_function()
+  elif getattr(model, _PLAN, None) is None:
+    tf.function(lambda: _plan_without_data(model)).get_concrete_function()
   return getattr(model, _PLAN, None)
+
+
+def _plan_without_data(model):
+  """Records the plan of a batch of zeros shaped like the model's inputs,
+  with the sum of the outputs as every unit's loss (the plan depends on the
+  layers and shapes, not on the loss)."""
+  if not model.inputs:
+    raise ValueError("clipping_plan(model) without data needs a model with "
+                     "known inputs (built with keras.Input); pass a batch: "
+                     "clipping_plan(model, x, y).")
+  x = [tf.zeros([2] + [1 if d is None else d for d in t.shape[1:]], t.dtype)
+       for t in model.inputs]
+  x = x[0] if len(x) == 1 else x
+  method = getattr(model, _CLIPPING, "auto")
+  non_trainable = [v.value for v in model.non_trainable_variables]
+  params = [v.value for v in model.trainable_variables]
+  _, _, losses = model.stateless_call(params, non_trainable, x,
+                                      training=True, return_losses=True)
+  if method == "vectorized":
+    reason = "clipping='vectorized' was chosen"
+  elif len(model.outputs) != 1:
+    reason = "the model has several outputs or losses"
+  elif losses:
+    reason = "the model adds losses (regularizers or add_loss)"
+  else:
+    units = per_example.split_microbatches(
+        (x, tf.zeros([2]), tf.ones([2])), None)
+    try:
+      _record_plan(model, ghost.clipped_sum(
+          model, params, non_trainable, units,
+          lambda uy, y_pred, uw: tf.reduce_sum(y_pred),
+          clipping.ClipSpec(1.0))[3])
+      return
+    except ghost.Unsupported as e:
+      reason = str(e)
+  _record_plan(model, ghost.ClippingPlan(fallback=reason))
 
 
 def _refresh_public_preconditioner(model, optimizer):

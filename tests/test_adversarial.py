@@ -1,0 +1,478 @@
+"""Adversarial battery: models that abuse the batch axis, against the DP bound.
+
+For each structure (folding the batch into positions, concatenating two
+inputs along axis 0, permuting, shifting, reversing, centring, sorting,
+gathering, attending or convolving across the batch, custom layers that
+reduce over it), with and without Dropout, and under the private step's
+options (Poisson padding, microbatches, per-layer clipping, the vectorized
+path), we *measure* the released clipped sum (σ = 0) on a batch, on the batch
+without one example, and on the batch with that example replaced by a huge
+one:
+
+    ‖S(X) − S(X without i)‖ ≤ Δ₁,   ‖S(X) − S(X with i replaced)‖ ≤ 2C,
+
+where Δ₁ = C (2C when a unit holds several examples). A harness self-test shows the
+measurement catches a release that clips rows of a batched pass (what ghost
+clipping did before it evaluated units on their own). End-to-end ``fit``
+runs (σ = 0, learning rate 1, DPSGD) check the same bound on the weights
+with accumulation, Poisson padding and microbatches, or that training refuses
+before any weight changes. A hypothesis test composes random architectures.
+"""
+from hypothesis import HealthCheck, given, settings, strategies as st
+import keras
+from keras import ops
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpadambc as dp
+from tf_dpadambc.core import clipping
+from tf_dpadambc.keras import training
+
+B, T, P, K = 6, 3, 4, 3
+C = 0.1
+VICTIM = 2  # a middle row: neither the first nor the last
+TOL = 1 + 1e-4
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def lam(fn, name=None):
+  return keras.layers.Lambda(fn, name=name)
+
+
+def _head(h):
+  return keras.layers.Dense(K)(keras.layers.Flatten()(h))
+
+
+def _seq(body):
+  inputs = keras.Input((T, P))
+  return keras.Model(inputs, _head(body(inputs)))
+
+
+def fold_rows(x):  # [B, T, P] -> [B·T, P] -> Dense -> [B, T, 5]
+  h = keras.layers.Dense(5, activation="tanh")(lam(
+      lambda t: ops.reshape(t, (-1, P)))(x))
+  return lam(lambda t: ops.reshape(t, (-1, T, 5)))(h)
+
+
+def fold_into_one_row(x):  # the whole batch as one sequence
+  h = keras.layers.Dense(5, activation="tanh")(lam(
+      lambda t: ops.reshape(t, (1, -1, P)))(x))
+  return lam(lambda t: ops.reshape(t, (-1, T, 5)))(h)
+
+
+def siamese_concat(x):  # one tower on concatenate([a, b], axis=0)
+  tower = keras.layers.Dense(5, activation="tanh")
+  h = tower(lam(lambda t: ops.concatenate([t[:, 0], t[:, 1]], axis=0))(x))
+  return lam(lambda t: ops.concatenate(ops.split(t, 2, axis=0), axis=-1))(h)
+
+
+def reverse_batch(x):
+  return lam(lambda t: ops.flip(t, axis=0))(keras.layers.Dense(5)(x))
+
+
+def roll_batch(x):
+  return lam(lambda t: ops.roll(t, 1, axis=0))(keras.layers.Dense(5)(x))
+
+
+def lag_feature(x):  # each example also sees the previous one's features
+  h = keras.layers.Dense(5)(x)
+  return lam(lambda t: t + ops.pad(t, [[1, 0], [0, 0], [0, 0]])[:-1])(h)
+
+
+class TrainingOnlyLag(keras.layers.Layer):
+  """Mixes rows only in training mode (inference looks per example)."""
+
+  def call(self, t, training=False):
+    if training:
+      return t + ops.pad(t, [[1, 0], [0, 0], [0, 0]])[:-1]
+    return t
+
+
+def training_only_lag(x):
+  return TrainingOnlyLag()(keras.layers.Dense(5)(x))
+
+
+def centre_batch(x):
+  h = keras.layers.Dense(5)(x)
+  return lam(lambda t: t - ops.mean(t, axis=0, keepdims=True))(h)
+
+
+def batch_max_scale(x):
+  h = keras.layers.Dense(5)(x)
+  return lam(lambda t: t / (1 + ops.max(ops.abs(t), axis=0)))(h)
+
+
+def sort_batch(x):  # a data-dependent permutation of the rows
+  h = keras.layers.Dense(5)(x)
+  return lam(lambda t: tf.gather(t, tf.argsort(t[:, 0, 0])))(h)
+
+
+def cumsum_batch(x):
+  return lam(lambda t: ops.cumsum(t, axis=0))(keras.layers.Dense(5)(x))
+
+
+def attention_over_batch(x):  # softmax(z zᵀ) z with rows as keys
+  h = keras.layers.Dense(5)(keras.layers.Flatten()(x))
+
+  def attend(t):
+    return ops.matmul(ops.softmax(ops.matmul(t, ops.transpose(t))), t)
+  return lam(attend)(h)
+
+
+def mha_over_batch(x):  # MultiHeadAttention with the batch as the sequence
+  h = keras.layers.Dense(5)(keras.layers.Flatten()(x))
+  seq = lam(lambda t: t[None])(h)
+  out = keras.layers.MultiHeadAttention(1, 4)(seq, seq)
+  return lam(lambda t: t[0])(out)
+
+
+class BatchSumWithWeights(keras.layers.Layer):
+  """A layer with weights (per-layer rule) that reduces over the batch."""
+
+  def build(self, shape):
+    self.w = self.add_weight(shape=(shape[-1], 5))
+
+  def call(self, t):
+    return ops.matmul(t + ops.sum(t, axis=0, keepdims=True), self.w)
+
+
+def custom_batch_sum(x):
+  return BatchSumWithWeights()(x)
+
+
+class CarriedMean(keras.layers.Layer):
+  """Carries the batch mean into the next step in a non-trainable variable."""
+
+  def build(self, shape):
+    self.prev = self.add_weight(shape=shape[1:], initializer="zeros",
+                                trainable=False)
+
+  def call(self, t):
+    self.prev.assign(ops.mean(t, axis=0))
+    return t + self.prev
+
+
+def carried_mean(x):
+  return CarriedMean()(keras.layers.Dense(5)(x))
+
+
+def conv_across_batch(x):  # a causal conv over the batch folded into time
+  seq = lam(lambda t: ops.reshape(t, (1, -1, P)))(x)
+  h = keras.layers.Conv1D(4, 2, padding="causal")(seq)
+  return lam(lambda t: ops.reshape(t, (-1, T, 4)))(h)
+
+
+def regularized_fold(x):  # extra losses: the whole-model vectorized path
+  flat = lam(lambda t: ops.reshape(t, (-1, P)))(x)
+  h = keras.layers.Dense(5, kernel_regularizer="l2")(flat)
+  return lam(lambda t: ops.reshape(t, (-1, T, 5)))(h)
+
+
+def tied_fold(x):  # a weight read outside its layer: vectorized fallback
+  dense = keras.layers.Dense(P, use_bias=False)
+  h = dense(lam(lambda t: ops.reshape(t, (-1, P)))(x))
+  h = lam(lambda t: ops.matmul(t, ops.transpose(dense.kernel)))(h)
+  return lam(lambda t: ops.reshape(t, (-1, T, P)))(h)
+
+
+def rnn_then_lag(x):  # an RNN (whole-model fallback) and a lag
+  h = keras.layers.SimpleRNN(5, return_sequences=True)(x)
+  return lam(lambda t: t + ops.pad(t, [[1, 0], [0, 0], [0, 0]])[:-1])(h)
+
+
+def layernorm_then_fold(x):
+  h = keras.layers.LayerNormalization()(lam(
+      lambda t: ops.reshape(t, (1, -1, P)))(x))
+  return lam(lambda t: ops.reshape(t, (-1, T, P)))(h)
+
+
+def fold_everything(x):  # every weight sees folded rows: [B·T, P] -> logits
+  flat = lam(lambda t: ops.reshape(t, (-1, P)))(x)
+  rows = keras.layers.Dense(K)(keras.layers.Dense(5, activation="tanh")(flat))
+  return lam(lambda t: ops.mean(ops.reshape(t, (-1, T, K)), axis=1))(rows)
+
+
+def siamese_everything(x):  # the whole network is the shared tower
+  pair = lam(lambda t: ops.concatenate([t[:, 0], t[:, 1]], axis=0))(x)
+  rows = keras.layers.Dense(K)(keras.layers.Dense(5, activation="tanh")(pair))
+  return lam(lambda t: ops.sum(ops.stack(ops.split(t, 2, axis=0)), 0))(rows)
+
+
+def _logits(body):  # a body that ends in logits itself
+  inputs = keras.Input((T, P))
+  return keras.Model(inputs, body(inputs))
+
+
+def _ids_model(body):
+  inputs = keras.Input((T,), dtype="int32")
+  return keras.Model(inputs, _head(body(inputs)))
+
+
+def embedding_fold(ids):  # ids folded into one row before the lookup
+  h = keras.layers.Embedding(20, 4)(lam(lambda t: ops.reshape(t, (1, -1)))(ids))
+  return lam(lambda t: ops.reshape(t, (-1, T, 4)))(h)
+
+
+def siamese_embedding(ids):
+  h = keras.layers.Embedding(20, 4)(lam(
+      lambda t: ops.concatenate([t[:, :2], t[:, 1:]], axis=0))(ids))
+  return lam(lambda t: ops.concatenate(ops.split(t, 2, axis=0), axis=-1))(h)
+
+
+SEQUENCE = [fold_rows, fold_into_one_row, siamese_concat, reverse_batch,
+            roll_batch, lag_feature, training_only_lag, centre_batch,
+            batch_max_scale, sort_batch, cumsum_batch, attention_over_batch,
+            mha_over_batch, custom_batch_sum, carried_mean, conv_across_batch,
+            regularized_fold, tied_fold, rnn_then_lag, layernorm_then_fold]
+IDS = [embedding_fold, siamese_embedding]
+LOGITS = [fold_everything, siamese_everything]
+STRUCTURES = {f.__name__: f for f in SEQUENCE + IDS + LOGITS}
+# The private step's options, one per structure in turn (so that every option
+# meets several structures without a full cross product).
+OPTIONS = ["plain", "padding", "microbatches", "per_layer", "vectorized"]
+
+
+def build(name, dropout):
+  body = STRUCTURES[name]
+
+  def with_dropout(t):
+    h = body(t)
+    return keras.layers.Dropout(0.3)(h) if dropout else h
+  keras.utils.set_random_seed(sum(map(ord, name)))
+  model = (_ids_model if body in IDS else _logits if body in LOGITS
+           else _seq)(with_dropout)
+  model.compile(loss=LOSS)
+  return model
+
+
+def batch(model, rng, n=B):
+  if model.inputs[0].dtype.startswith("int"):
+    x = rng.integers(0, 20, (n, T)).astype("int32")
+  else:
+    x = rng.normal(size=(n, T, P)).astype("float32")
+  return x, rng.integers(0, K, n).astype("int32")
+
+
+def huge(model, x):
+  """The victim replaced by an extreme example (another input, ×100)."""
+  x = x.copy()
+  if model.inputs[0].dtype.startswith("int"):
+    x[VICTIM] = 19
+  else:
+    x[VICTIM] = -100.0 * x[VICTIM] + 50.0
+  return x
+
+
+def release_fn(model, option):
+  """(x, y, w) -> Σ_u clip(g_u) as the private step releases it (σ = 0),
+  and the bound on one example's removal."""
+  num_microbatches = 3 if option == "microbatches" else None
+  method = "vectorized" if option == "vectorized" else "auto"
+  if option == "per_layer":
+    clips = [C / np.sqrt(len(model.trainable_variables))] * len(
+        model.trainable_variables)
+    spec = clipping.ClipSpec(None, clips)
+  else:
+    spec = clipping.ClipSpec(C)
+  removal = 2 * C if num_microbatches else C
+
+  def release(x, y, w):
+    result, _, _ = training.private_gradient_sum(model, x, y, w, spec,
+                                                 num_microbatches, method)
+    return result.grads
+  return release, removal
+
+
+def distance(a, b):
+  return float(np.sqrt(sum(np.sum((np.asarray(u) - np.asarray(v)) ** 2)
+                           for u, v in zip(a, b))))
+
+
+def measure(model, option, rng):
+  """(‖S − S_removed‖, ‖S − S_replaced‖, removal bound), or raises."""
+  release, removal = release_fn(model, option)
+  x, y = batch(model, rng)
+  w = np.ones(B, "float32")
+  if option == "padding":  # two padding rows: copies of example 0, weight 0
+    x[-2:], y[-2:], w[-2:] = x[0], y[0], 0.0
+  if option == "microbatches":  # removing = the victim becomes padding
+    x_removed, y_removed, w_removed = x.copy(), y.copy(), w.copy()
+    x_removed[VICTIM], y_removed[VICTIM], w_removed[VICTIM] = x[0], y[0], 0.0
+  elif option == "padding":  # one more padding row where the victim was
+    x_removed, y_removed, w_removed = x.copy(), y.copy(), w.copy()
+    x_removed[VICTIM], y_removed[VICTIM], w_removed[VICTIM] = x[0], y[0], 0.0
+  else:  # the victim is absent: a batch of B − 1
+    keep = np.arange(B) != VICTIM
+    x_removed, y_removed, w_removed = x[keep], y[keep], w[keep]
+  x_replaced = huge(model, x)
+  y_replaced = y.copy()
+  y_replaced[VICTIM] = (y[VICTIM] + 1) % K
+
+  @tf.function
+  def all_three():
+    return (release(x, y, w), release(x_removed, y_removed, w_removed),
+            release(x_replaced, y_replaced, w))
+  full, removed, replaced = all_three()
+  return distance(full, removed), distance(full, replaced), removal
+
+
+CASES = [(name, dropout, OPTIONS[(i + dropout) % len(OPTIONS)])
+         for i, name in enumerate(STRUCTURES) for dropout in (False, True)]
+
+
+@pytest.mark.parametrize("name,dropout,option", CASES)
+def test_one_example_moves_the_release_by_at_most_the_bound(name, dropout,
+                                                            option):
+  model = build(name, dropout)
+  removed, replaced, removal = measure(model, option, np.random.default_rng(0))
+  assert removed <= removal * TOL, (removed, removal)
+  assert replaced <= 2 * C * TOL, (replaced, 2 * C)
+
+
+def test_battery_covers_twenty_structures_and_every_option():
+  assert len(STRUCTURES) >= 20
+  assert {option for _, _, option in CASES} == set(OPTIONS)
+
+
+def _row_clipped_release(model):
+  """What ghost clipping did before: clip each row of a batched pass."""
+  def release(x, y, w):
+    del w
+    with tf.GradientTape() as tape:
+      losses = LOSS.call(y, model(x, training=True))
+    jac = tape.jacobian(losses, model.trainable_variables)
+    flat = tf.concat([tf.reshape(j, [B if x.shape[0] == B else B - 1, -1])
+                      for j in jac], 1)
+    factors = tf.minimum(1.0, C / tf.norm(flat, axis=1))
+    return [tf.einsum("u,u...->...", factors, j) for j in jac]
+  return release
+
+
+def test_the_measurement_catches_a_release_that_clips_rows_of_a_batch():
+  # The harness must be able to fail: a lag feature puts the victim in two
+  # rows of a batched pass, so clipping rows lets it move the sum by ~2C.
+  model = build("lag_feature", False)
+  release = _row_clipped_release(model)
+  rng = np.random.default_rng(0)
+  x, y = batch(model, rng)
+  keep = np.arange(B) != VICTIM
+  moved = distance(release(x, y, None), release(x[keep], y[keep], None))
+  assert moved > C * 1.2, moved
+  # and the private step, on the same model and data, stays within C.
+  ok, _, _ = measure(model, "plain", np.random.default_rng(0))
+  assert ok <= C * TOL
+
+
+# ---------------------------------------------------------------- end to end
+
+def _fit_delta(name, x, y, **options):
+  """Weights after one logical step of DPSGD (σ = 0, learning rate 1)."""
+  model = dp.make_private(build(name, options.pop("dropout", False)))
+  with pytest.warns(UserWarning, match="NOT differentially private"):
+    optimizer = dp.DPSGD(C, 0.0, learning_rate=1.0, **options)
+  model.compile(optimizer=optimizer, loss=LOSS, jit_compile=True)
+  before = [w.copy() for w in model.get_weights()]
+  return model, before
+
+
+@pytest.mark.parametrize("name,options", [
+    ("fold_rows", {"gradient_accumulation_steps": 2}),
+    ("siamese_concat", {"num_microbatches": 2}),
+    ("training_only_lag", {"dropout": True}),
+    ("fold_into_one_row", {"expected_batch_size": B}),
+    ("embedding_fold", {}),
+])
+def test_fit_moves_the_weights_by_at_most_the_bound(name, options):
+  """‖w(X) − w(X without the victim)‖ ≤ lr·Δ/B after one logical step."""
+  rng = np.random.default_rng(1)
+  steps = options.get("gradient_accumulation_steps", 1)
+  microbatched = "num_microbatches" in options
+  runs = []
+  for drop_victim in (False, True):
+    model, before = _fit_delta(name, None, None, **dict(options))
+    x, y = batch(model, rng if not runs else np.random.default_rng(1),
+                 B * steps)
+    w = np.ones(len(x), "float32")
+    if drop_victim:  # the victim becomes padding (weight 0)
+      x[VICTIM], y[VICTIM], w[VICTIM] = x[0], y[0], 0.0
+    model.fit(x, y, sample_weight=w, batch_size=B, epochs=1, shuffle=False,
+              verbose=0)
+    runs.append((model.get_weights(), before))
+  (with_victim, start), (without, start_again) = runs
+  for a, b in zip(start, start_again):
+    np.testing.assert_array_equal(a, b)
+  bound = (2 * C if microbatched else C) / (B * steps)
+  moved = distance(with_victim, without)
+  assert 0 < moved <= bound * TOL, (moved, bound)
+
+
+@pytest.mark.parametrize("name", ["lag_feature", "centre_batch",
+                                  "attention_over_batch", "sort_batch"])
+def test_fit_refuses_models_that_mix_examples_before_weights_move(name):
+  model, before = _fit_delta(name, None, None, dropout=True)
+  x, y = batch(model, np.random.default_rng(2), 4 * B)
+  with pytest.raises(RuntimeError, match="depends on the other examples"):
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+  for got, want in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------- hypothesis
+
+def _random_op(kind, width):
+  """One block on [B, T, F] tensors: a layer, or an op across the batch."""
+  if kind == "dense":
+    return keras.layers.Dense(width, activation="tanh")
+  if kind == "conv":
+    return keras.layers.Conv1D(width, 2, padding="same")
+  if kind == "layernorm":
+    return keras.layers.LayerNormalization()
+  if kind == "dropout":
+    return keras.layers.Dropout(0.4)
+  if kind == "fold_dense":
+    dense = keras.layers.Dense(width)
+    return lambda t: lam(lambda r: ops.reshape(r, (-1, T, width)))(dense(lam(
+        lambda r: ops.reshape(r, (-1, r.shape[-1])))(t)))
+  if kind == "siamese_dense":
+    dense = keras.layers.Dense(width)
+    return lambda t: lam(lambda r: ops.sum(ops.stack(ops.split(r, 2, 0)), 0))(
+        dense(lam(lambda r: ops.concatenate([r, ops.flip(r, 1)], 0))(t)))
+  batch_ops = {
+      "roll": lambda r: ops.roll(r, 1, axis=0),
+      "flip": lambda r: ops.flip(r, axis=0),
+      "centre": lambda r: r - ops.mean(r, axis=0, keepdims=True),
+      "cumsum": lambda r: ops.cumsum(r, axis=0),
+      "lag": lambda r: r + ops.pad(r, [[1, 0], [0, 0], [0, 0]])[:-1],
+      "max_scale": lambda r: r / (1 + ops.max(ops.abs(r), axis=0)),
+      "sort": lambda r: tf.gather(r, tf.argsort(r[:, 0, 0])),
+  }
+  return lam(batch_ops[kind])
+
+
+KINDS = ["dense", "conv", "layernorm", "dropout", "fold_dense",
+         "siamese_dense", "roll", "flip", "centre", "cumsum", "lag",
+         "max_scale", "sort"]
+
+
+def _composed(blocks):
+  keras.utils.set_random_seed(len(blocks))
+  inputs = keras.Input((T, P))
+  h = inputs
+  for kind, width in blocks:
+    h = _random_op(kind, width)(h)
+  model = keras.Model(inputs, _head(h))
+  model.compile(loss=LOSS)
+  return model
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(blocks=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(2, 5)),
+                       min_size=1, max_size=4),
+       option=st.sampled_from(OPTIONS))
+def test_random_architectures_keep_the_bound(blocks, option):
+  model = _composed(blocks)
+  removed, replaced, removal = measure(model, option, np.random.default_rng(3))
+  assert removed <= removal * TOL, (blocks, option, removed)
+  assert replaced <= 2 * C * TOL, (blocks, option, replaced)
