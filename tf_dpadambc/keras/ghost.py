@@ -533,18 +533,6 @@ class _TrackingScope(keras.StatelessScope):
     return super().get_current_value(variable)
 
 
-class _TrackingScope(keras.StatelessScope):
-  """A StatelessScope that checks who reads each trainable variable."""
-
-  def __init__(self, mapping, on_read):
-    super().__init__(mapping, collect_losses=True)
-    self._on_read = on_read
-
-  def get_current_value(self, variable):
-    self._on_read(variable)
-    return super().get_current_value(variable)
-
-
 class _Recorder:
   """Installs recording wrappers on the layers' ``call`` while a unit's
   forward pass is traced (inside ``vectorized_map``)."""
