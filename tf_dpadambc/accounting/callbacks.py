@@ -5,6 +5,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpadambc.accounting import epsilon as epsilon_lib
+from tf_dpadambc.accounting import ledger as ledger_lib
 
 
 def run_sampling(optimizer, sampling=None):
@@ -52,10 +53,38 @@ class _EpsilonCallback(keras.callbacks.Callback):
     # Fail before the first step if the requested figure is not the run's.
     self.run_sampling = run_sampling(self.model.optimizer, self.sampling)
 
-  def _epsilon(self, optimizer, extra_steps=0):
+  # The epochs go to the optimizer's ledger (what the once-per-epoch ε
+  # composes). make_private's fit records them itself; elsewhere (tf_keras)
+  # these callbacks do, taking each epoch for one pass over the data.
+  def _ledger(self):
+    return ledger_lib.ledger_of(self.model.optimizer)
+
+  def on_epoch_begin(self, epoch, logs=None):
+    ledger = self._ledger()
+    if ledger is None:
+      return
+    self._position_at_epoch_start = ledger.position()
+    if not ledger_lib.is_recording(self.model.optimizer):
+      ledger.begin_epoch()
+
+  def _record_epoch_end(self):
+    ledger = self._ledger()
+    if ledger is not None and not ledger_lib.is_recording(
+        self.model.optimizer):
+      ledger.end_epoch()
+
+  def _epoch_batches(self):
+    """Physical batches of the epoch that just ended."""
+    ledger = self._ledger()
+    start = getattr(self, "_position_at_epoch_start", None)
+    if ledger is None or start is None:
+      return 0
+    return max(0, ledger.position() - start)
+
+  def _epsilon(self, optimizer, extra_epoch_batches=0):
     self.run_sampling = run_sampling(optimizer, self.sampling)
     event = optimizer.dp_event(self.num_examples, sampling=self.run_sampling,
-                               steps=optimizer.steps_taken + extra_steps)
+                               extra_epoch_batches=extra_epoch_batches)
     return epsilon_lib.epsilon_of_event(event, self.delta, self.accountant)
 
 
@@ -63,12 +92,14 @@ class PrivacyBudget(_EpsilonCallback):
   """Logs ε (``logs['epsilon']``) after every epoch; stops before a budget.
 
   ε is computed from the optimizer's own DpEvent (the steps it actually took,
-  its σ, its logical batch size) for the sampling the run used
+  the epochs it ran with their real numbers of batches, its σ, its logical
+  batch size) for the sampling the run used
   (``run_sampling`` after training starts; see :func:`run_sampling`). With
   ``target_epsilon``, training stops at the end of the first epoch after
-  which one more epoch would exceed the budget. The check runs between
-  epochs: if a single epoch already exceeds the budget, it stops after that
-  epoch, over budget — check ``compute_epsilon`` before training.
+  which one more epoch (of as many batches as the last) would exceed the
+  budget. The check runs between epochs: if a single epoch already exceeds
+  the budget, it stops after that epoch, over budget — check
+  ``compute_epsilon`` before training.
 
   Args:
     num_examples: N, training set size.
@@ -96,10 +127,8 @@ class PrivacyBudget(_EpsilonCallback):
       print(f"PrivacyBudget: ε (δ = {self.delta:g}) for "
             f"{_SAMPLING_TEXT.get(self.run_sampling, self.run_sampling)}.")
 
-  def on_epoch_begin(self, epoch, logs=None):
-    self._steps_at_epoch_start = self.model.optimizer.steps_taken
-
   def on_epoch_end(self, epoch, logs=None):
+    self._record_epoch_end()
     optimizer = self.model.optimizer
     if not optimizer.logical_batch_size:
       return
@@ -109,8 +138,9 @@ class PrivacyBudget(_EpsilonCallback):
       logs["epsilon"] = eps
     if self.target_epsilon is None:
       return
-    steps_per_epoch = optimizer.steps_taken - self._steps_at_epoch_start
-    next_eps = self._epsilon(optimizer, extra_steps=steps_per_epoch)
+    # Another epoch like this one (its real number of batches).
+    next_eps = self._epsilon(optimizer,
+                             extra_epoch_batches=self._epoch_batches())
     if eps > self.target_epsilon or next_eps > self.target_epsilon:
       self.model.stop_training = True
       if self.verbose:
@@ -199,6 +229,7 @@ class PrivacyTensorBoard(_EpsilonCallback):
       self._write_diagnostics(optimizer)
 
   def on_epoch_end(self, epoch, logs=None):
+    self._record_epoch_end()
     optimizer = self.model.optimizer
     if not optimizer.logical_batch_size:
       return

@@ -79,6 +79,38 @@ def sampled_event(step_event, num_examples, batch_size, steps,
   return dp_accounting.SelfComposedDpEvent(step_event, epochs)
 
 
+def composed(event, count):
+  """``event`` released ``count`` times (NoOp for none)."""
+  if count <= 0:
+    return dp_accounting.NoOpDpEvent()
+  return dp_accounting.SelfComposedDpEvent(event, int(count))
+
+
+def shuffled_gaussian_event(noise_multiplier, releases):
+  """The once-per-epoch DpEvent of a run, from what it ran.
+
+  Each example is in at most one physical batch per epoch (pass over the
+  data), so in at most one logical step per epoch — or, where a logical
+  step's k batches span several epochs (gradient accumulation), in that
+  step once per epoch it spans. ``releases``
+  (:class:`~tf_dpadambc.accounting.ledger.Releases`) counts, for the worst
+  placement of an example, the logical steps holding it once (Gaussian
+  mechanism of multiplier σ), twice (sensitivity 2Δ: σ/2) and c ≥ 3 times
+  (σ/c, written as c² releases at σ, exactly as private for the Gaussian
+  mechanism). Without accumulation: one Gaussian(σ) per epoch run.
+  """
+  if noise_multiplier == 0:
+    return dp_accounting.NonPrivateDpEvent()
+  parts = [composed(dp_accounting.GaussianDpEvent(sigma), count)
+           for sigma, count in ((noise_multiplier, releases.single),
+                                (noise_multiplier / 2, releases.double),
+                                (noise_multiplier, releases.more_squares))
+           if count]
+  if not parts:
+    return dp_accounting.NoOpDpEvent()
+  return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
+
+
 def correlated_noise_event(noise_multiplier, calibrated_sensitivity,
                            sensitivity):
   """The DpEvent of a whole DP-MF run without amplification.

@@ -3,6 +3,7 @@ import math
 
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 from tf_dpadambc.accounting import events
+from tf_dpadambc.accounting import ledger as ledger_lib
 
 
 def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
@@ -14,9 +15,12 @@ def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
   earned by ``tf_dpadambc.data.poisson_batches`` with an optimizer built with
   ``expected_batch_size=B``) and each example once per epoch (shuffled
   fixed-size batches, what ``model.fit(..., batch_size=B)`` does; no
-  amplification is proven for it). Steps are those ``model.fit`` takes:
-  epochs · ceil(N/B). For a finished run,
-  :func:`optimizer_privacy_statement` says which figure holds.
+  amplification is proven for it). This plans a run: steps are those
+  ``model.fit`` takes on N examples in batches of B, epochs · ceil(N/B).
+  For a finished run, :func:`optimizer_privacy_statement` says which figure
+  holds, from the steps and epochs that actually ran (a ``drop_remainder``
+  or truncated pipeline has shorter epochs: more of them for the same
+  steps).
 
   ``used_microbatching=True`` accounts microbatches of several examples, whose
   sensitivity is 2C under add/remove adjacency (effective σ/2).
@@ -34,9 +38,13 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
                                 accountant="rdp", batch_size=None):
   """The statement for the training a DP optimizer has performed so far.
 
-  Uses the optimizer's own DpEvents: its steps, logical batch size and
-  effective noise multiplier (microbatching, accumulation across epochs),
-  and says which ε holds for the sampling the run used:
+  Uses the optimizer's own DpEvents: the steps it took, the epochs it ran
+  with their real numbers of batches (its ``accounting_ledger``; never an
+  assumed ceil(N/B) per epoch), its logical batch size and effective noise
+  multiplier (microbatching; σ/2 for a logical step whose accumulated
+  batches span two epochs), and says which ε holds for the sampling the run
+  used, how it was accounted, and why it is an upper bound where the epochs
+  could not be known:
 
   * ``expected_batch_size=B`` (batches from ``data.poisson_batches``): the
     Poisson-sampled ε, with q = B/N; no once-per-epoch figure (an example
@@ -59,13 +67,55 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
                               accountant)
   def event(sampling):
     return optimizer.dp_event(num_examples, batch_size, sampling)
+  structure = None if poisson else _run_structure(optimizer)
+  sigma = (optimizer.accounted_noise_multiplier(num_examples)
+           if structure is None else optimizer.effective_noise_multiplier)
   return _format(num_examples, batch_size, optimizer.steps_taken,
-                 optimizer.noise_multiplier,
-                 optimizer.accounted_noise_multiplier(num_examples), delta,
+                 optimizer.noise_multiplier, sigma, delta,
                  accountant, event("poisson"),
                  None if poisson else event("shuffle"),
-                 reason=optimizer.accounting_reason,
-                 run_sampling="poisson" if poisson else "fixed")
+                 reason=optimizer.accounting_reason or (
+                     None if structure is None else _MICROBATCHES),
+                 run_sampling="poisson" if poisson else "fixed",
+                 how=_how_accounted(structure, sigma))
+
+
+def _run_structure(optimizer):
+  """The RunStructure of the optimizer's ledger, None before any step."""
+  ledger = ledger_lib.ledger_of(optimizer)
+  if ledger is None or not optimizer.built or not optimizer.steps_taken:
+    return None
+  return ledger.structure()
+
+
+def _how_accounted(structure, sigma=None):
+  """Lines: the epochs the once-per-epoch ε composes, and why it is an
+  upper bound where it is."""
+  if structure is None:
+    return []
+  lines = [f"  accounted from what ran: {structure.describe()}; each example "
+           "in at most one batch per epoch (never an assumed ceil(N/B) "
+           "batches per epoch)."]
+  r = structure.releases
+  if sigma is not None and (r.double or r.more_count):
+    lines.append(
+        "  gradient accumulation: a logical step whose batches span two "
+        "epochs can hold one example twice (sensitivity 2Δ: σ/2 = "
+        f"{sigma / 2:g}); the worst placement of an example has {r.double} "
+        "such step(s)"
+        + (f" and {r.more_count} spanning three or more epochs (σ/c)"
+           if r.more_count else "")
+        + f", composed with {r.single} step(s) at σ = {sigma:g}.")
+  reasons = structure.upper_bound_reasons()
+  if reasons:
+    lines.append("  ε is an upper bound because " + "; ".join(reasons) + ".")
+  if structure.notes():
+    lines.append("  Note: " + "; ".join(structure.notes()) + ".")
+  return lines
+
+
+_MICROBATCHES = ("microbatches of several examples can change by 2C when one "
+                 "example is added or removed")
 
 
 _TWO_C = ("some steps can change by 2C when one example is added or removed — "
@@ -75,16 +125,17 @@ _TWO_C = ("some steps can change by 2C when one example is added or removed — 
 
 def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
             accountant, poisson_event, shuffle_event, reason=None,
-            run_sampling=None):
+            run_sampling=None, how=()):
   """``run_sampling``: None (planning: both figures), ``"poisson"`` or
-  ``"fixed"`` (a run: the figure that holds for it first)."""
+  ``"fixed"`` (a run: the figure that holds for it first). ``how``: lines
+  saying how the run's once-per-epoch ε was accounted."""
   expected = "expected " if run_sampling == "poisson" else ""
   lines = [
       "Differential privacy statement (tf_dpadambc)",
       f"  training examples N = {num_examples:,}, {expected}batch size B = "
       f"{batch_size}"
       f" (q = B/N = {batch_size / num_examples:.4g}), steps = {steps:,} "
-      f"({steps * batch_size / num_examples:.3g} epochs)",
+      f"({steps * batch_size / num_examples:.3g} epochs of N examples)",
       f"  noise multiplier σ = {noise_multiplier:g}"
       + (f" (accounted as σ = {sigma:g}: {reason or _TWO_C})"
          if sigma < noise_multiplier else ""),
@@ -120,23 +171,26 @@ def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
     hypothetical = (
         f"  ε = {poisson:.3f} with Poisson sampling (each example joins each "
         "batch independently with probability q)")
-    how = ("tf_dpadambc.data.poisson_batches(x, y, expected_batch_size="
-           f"{batch_size}) with the optimizer's expected_batch_size="
-           f"{batch_size}")
+    poisson_how = (
+        "tf_dpadambc.data.poisson_batches(x, y, expected_batch_size="
+        f"{batch_size}) with the optimizer's expected_batch_size="
+        f"{batch_size}")
     if run_sampling == "fixed":
       lines += [
           "  sampling: fixed-size batches (e.g. model.fit's shuffled "
           "batch_size); the optimizer has no expected_batch_size.",
           once + ": the guarantee of this run.",
+          *how,
           hypothetical + " does NOT apply to this run: its batches were not "
-          f"Poisson samples. It would with {how}.",
+          f"Poisson samples. It would with {poisson_how}.",
       ]
     else:
       lines += [
           hypothetical + ".",
           once + ".",
           "  model.fit's shuffled fixed-size batches earn only the second "
-          f"figure; the first holds for Poisson-sampled batches: {how}.",
+          "figure; the first holds for Poisson-sampled batches: "
+          f"{poisson_how}.",
       ]
     lines.append(_ASSUMPTIONS)
   if math.isinf(poisson):
@@ -178,6 +232,7 @@ def _format_query(optimizer, num_examples, batch_size, delta, accountant):
       f"({optimizer.query_step_event()})",
       f"  ε = {shuffle:.3f} if each example is used exactly once per epoch "
       "(fixed-size batches): the guarantee of this run.",
+      *_how_accounted(_run_structure(optimizer)),
       f"  ε = {poisson:.3f} with Poisson sampling does NOT apply to this run "
       "(its batches were not Poisson samples).",
       _ASSUMPTIONS]
@@ -190,7 +245,9 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
   pattern, and amplified BandMF where the strategy is banded."""
   mechanism = optimizer.noise
   steps = optimizer.steps_taken
-  per_epoch = (optimizer.logical_steps_per_epoch(num_examples)
+  structure = _run_structure(optimizer)
+  per_epoch = (structure.accounting_steps_per_epoch() if structure
+               else optimizer.logical_steps_per_epoch(num_examples)
                or events.batches_per_epoch(num_examples, batch_size))
   sigma = optimizer.accounted_noise_multiplier(num_examples)
   lines = [
@@ -226,6 +283,7 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
     k, s = mechanism.participation(steps, sampling, per_epoch)
     lines.append(f"  ε = {epsilon(sampling):.3f} {how}: k = {k} "
                  f"participation(s) ≥ {s} step(s) apart.")
+  lines += _how_accounted(structure)
   try:
     amplified = epsilon("cyclic_poisson")
     lines.append(

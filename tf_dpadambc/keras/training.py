@@ -22,6 +22,7 @@ import types
 import keras
 import tensorflow as tf
 
+from tf_dpadambc.accounting import ledger
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
@@ -628,6 +629,7 @@ def make_private(model, clipping="auto"):
     object.__setattr__(model, _DIAGNOSTICS, diagnostics)
     _compat.reset_metrics_too(model, metrics + tuple(diagnostics.values()))
     _checked_train_function(model)
+    ledger.track_fit(model)  # epochs and their batches, for the accounting
     object.__setattr__(model, _MARK, True)
   object.__setattr__(model, "train_step",
                      types.MethodType(_dp_train_step, model))

@@ -24,6 +24,7 @@ from tf_dpadambc._checks import check_count  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_decay  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_positive
 from tf_dpadambc.accounting import events
+from tf_dpadambc.accounting import ledger as ledger_lib
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import diagnostics
 from tf_dpadambc.core import ghost
@@ -312,6 +313,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._max_batch_units = scalar("dp_max_batch_units")
     self._noise_variance = scalar("dp_noise_variance", "float32")
     self._max_physical_examples = scalar("dp_max_physical_examples")
+    # What ran, for the once-per-epoch accounting: epochs and their batches
+    # (accounting.ledger), saved and restored with the optimizer.
+    self._ledger_variable = self.add_variable(
+        (ledger_lib.STATE_SIZE,), dtype="int64", name="dp_accounting_ledger",
+        initializer=keras.initializers.Constant(
+            self.accounting_ledger.initial_values()))
     self._diagnostics = {name: scalar(name, "float32")
                          for name in self.DIAGNOSTICS}
     if isinstance(self.l2_norm_clip, list) and (
@@ -762,8 +769,29 @@ class DPOptimizer(keras.optimizers.Optimizer):
     """Largest logical batch (in examples) seen so far; 0 before training."""
     return int(self._max_batch_examples.numpy()) if self.built else 0
 
+  @property
+  def accounting_ledger(self):
+    """What ran, for the once-per-epoch accounting
+    (:class:`~tf_dpadambc.accounting.ledger.AccountingLedger`): the epochs
+    (passes over the data) and their physical batches, recorded by ``fit``
+    (after ``make_private``) and the privacy callbacks, saved with the
+    optimizer. A custom training loop calls its ``end_epoch()`` after each
+    pass over the data; otherwise its batches are accounted as unknown
+    (an upper bound on ε)."""
+    ledger = self.__dict__.get("_tf_dpadambc_ledger")
+    if ledger is None:
+      ledger = ledger_lib.AccountingLedger(self)
+      object.__setattr__(self, "_tf_dpadambc_ledger", ledger)
+    return ledger
+
+  def _run_structure(self, extra_epoch_batches=0):
+    """The ledger's RunStructure, or None before the first step."""
+    if not self.built or not (self.steps_taken or extra_epoch_batches):
+      return None
+    return self.accounting_ledger.structure(extra_epoch_batches)
+
   def dp_event(self, num_examples, batch_size=None, sampling="poisson",
-               steps=None):
+               steps=None, extra_epoch_batches=0):
     """The dp_accounting DpEvent of the training this optimizer performed.
 
     Args:
@@ -778,7 +806,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
         correlated noise: ``"cyclic"`` (fixed batch order every epoch),
         ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, expected
         batch size B); see ``CorrelatedNoise.accounting_event``.
-      steps: number of logical steps; defaults to the steps taken so far.
+      steps: ``None`` (default): the run as it happened — the steps taken
+        and, once per epoch, the epochs :attr:`accounting_ledger` recorded
+        with their real numbers of batches (a logical step whose batches
+        span two epochs can hold an example twice: σ/2 for that step).
+        Another number of logical steps plans a run (as
+        ``compute_epsilon``): epochs of the fewest batches seen, ceil(N/b)
+        before any.
+      extra_epoch_batches: also account one more epoch of this many physical
+        batches after the run (``PrivacyBudget``'s look-ahead).
     """
     if self._not_private_reason:
       raise ValueError(
@@ -796,39 +832,73 @@ class DPOptimizer(keras.optimizers.Optimizer):
     batch_size = batch_size or self.logical_batch_size
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
-    if self.query is not None:
-      return events.sampled_event(
-          self.query_step_event(), num_examples, batch_size,
-          self.steps_taken if steps is None else steps,
-          {"cyclic": "shuffle"}.get(sampling, sampling),
+    planned = steps is not None and steps != self.steps_taken
+    once_per_epoch = sampling in ("shuffle", "cyclic") and not planned
+    structure = (self._run_structure(extra_epoch_batches) if once_per_epoch
+                 else None)
+    if structure is None:  # Poisson (steps are all that count), or a plan
+      steps = ((self.steps_taken if steps is None else steps)
+               + extra_epoch_batches // self.accumulation_steps)
+      if self.query is not None:
+        return events.sampled_event(
+            self.query_step_event(), num_examples, batch_size, steps,
+            {"cyclic": "shuffle"}.get(sampling, sampling),
+            self.logical_steps_per_epoch(num_examples))
+      return self.noise.accounting_event(
+          self._planned_noise_multiplier(num_examples) if planned
+          else self.accounted_noise_multiplier(num_examples),
+          steps, sampling, batch_size, num_examples,
           self.logical_steps_per_epoch(num_examples))
+    if self.query is not None:  # no accumulation: one use per epoch
+      return events.composed(self.query_step_event(),
+                             structure.participations)
+    if not self.is_correlated:
+      return events.shuffled_gaussian_event(self.effective_noise_multiplier,
+                                            structure.releases)
     return self.noise.accounting_event(
-        self.accounted_noise_multiplier(num_examples),
-        self.steps_taken if steps is None else steps, sampling, batch_size,
-        num_examples, self.logical_steps_per_epoch(num_examples))
+        self.effective_noise_multiplier / structure.max_multiplicity,
+        structure.steps, sampling, batch_size, num_examples,
+        structure.accounting_steps_per_epoch())
 
   def accounted_noise_multiplier(self, num_examples):
-    """The σ the accounting uses for a training set of N examples.
+    """The smallest σ the accounting uses for a training set of N examples.
 
     :attr:`effective_noise_multiplier`, divided by the most epochs one
-    logical step can touch: with gradient accumulation a logical step can
-    hold the same example once per epoch it spans (m times the per-unit
-    sensitivity; compounding with microbatching's 2C).
+    logical step of the run touched (recorded by :attr:`accounting_ledger`):
+    with gradient accumulation a logical step can hold the same example once
+    per epoch it spans (m times the per-unit sensitivity; compounding with
+    microbatching's 2C). Before the first step, the most a step could touch
+    with epochs of ceil(N / b) physical batches.
     """
-    return (self.effective_noise_multiplier
-            / self._epochs_per_logical_step(num_examples))
+    structure = self._run_structure()
+    if structure is None:
+      return (self.effective_noise_multiplier
+              / self._epochs_per_logical_step(num_examples))
+    return self.effective_noise_multiplier / structure.max_multiplicity
+
+  def _planned_noise_multiplier(self, num_examples):
+    """σ for a planned run: the worst a logical step could touch."""
+    structure = self._run_structure()
+    touched = self._epochs_per_logical_step(num_examples)
+    if structure is not None:
+      touched = max(touched, structure.max_multiplicity)
+    return self.effective_noise_multiplier / touched
 
   def _epochs_per_logical_step(self, num_examples):
     """m: the most epochs a window of k consecutive physical batches (a
     logical step; windows start at multiples of k) can intersect, with P
-    batches per epoch: 1 if k divides P, k/P if P divides k, else
-    ceil((k − 1)/P) + 1 (a window starting at an epoch's last batch)."""
+    batches per epoch (the fewest seen in an epoch, else ceil(N / b)): 1 if
+    k divides P, k/P if P divides k, else ceil((k − 1)/P) + 1 (a window
+    starting at an epoch's last batch)."""
     k = self.accumulation_steps
     physical = (int(self._max_physical_examples.numpy()) if self.built
                 else 0)
     if k == 1 or not physical:
       return 1
     p = events.batches_per_epoch(num_examples, physical)
+    structure = self._run_structure()
+    if structure is not None and structure.min_epoch_batches:
+      p = min(p, structure.min_epoch_batches)
     if p % k == 0:
       return 1
     if k % p == 0:
@@ -836,7 +906,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     return -(-(k - 1) // p) + 1
 
   def logical_steps_per_epoch(self, num_examples):
-    """Logical steps per pass over the data: ceil(N / b) / k, b physical."""
+    """Logical steps per pass over the data: the fewest the run's epochs
+    held (all but the last), else ceil(N / b) / k, b physical."""
+    structure = self._run_structure()
+    if structure is not None and structure.logical_steps_per_epoch():
+      return structure.logical_steps_per_epoch()
     physical = (int(self._max_physical_examples.numpy()) if self.built
                 else 0)
     if not physical:

@@ -1,0 +1,575 @@
+"""What ran, for the once-per-epoch accounting: passes over the data, batches.
+
+The once-per-epoch ("shuffle") guarantee assumes only that every example is
+in at most one physical batch per pass over the data (an epoch). The ε of a
+run then depends on how many passes its released steps touched and on which
+logical steps hold batches of two passes (gradient accumulation: k physical
+batches per noise release), not on ceil(N/B): an epoch of a
+``drop_remainder`` dataset, of ``steps_per_epoch`` batches or of a truncated
+dataset is shorter, and a run of E such epochs is E participations.
+
+:class:`LedgerState` is the record, kept as a few integers: the committed
+position (physical batches), counts and lengths of the passes, and the
+worst case, over where each pass puts an example, of the releases holding it
+once, twice or more (a release holding it c times has sensitivity cΔ: for the
+Gaussian mechanism, exactly as private as c² releases at Δ). The worst case
+is maintained incrementally by a small dynamic program over the release that
+is still open at the committed position.
+
+:class:`AccountingLedger` binds it to an optimizer, whose ``iterations`` and
+physical-batch counter give the position, and stores it in one int64
+optimizer variable (``dp_accounting_ledger``) so that it is saved and
+restored with the optimizer. Keras epochs are recorded by
+:class:`EpochRecorder` (installed on ``fit`` by ``make_private``) and by the
+privacy callbacks; a custom loop calls ``optimizer.accounting_ledger
+.end_epoch()`` after each pass. Batches no epoch accounts for (a custom loop
+that does not, ``fit`` over data of unknown size with ``steps_per_epoch``)
+are accounted as if each were a pass of its own: an upper bound on ε, which
+the statement says.
+"""
+import dataclasses
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# Why the accounting is an upper bound (bits of LedgerState.reasons).
+UNKNOWN = 1          # batches ran outside any recorded epoch
+NOT_PASSES = 2       # fit's epochs need not be passes over the data
+ABORTED = 4          # an epoch began but its end was never recorded
+SUB_EPOCHS = 8       # steps_per_epoch: each epoch counted as a whole pass
+REBASED = 16         # restored mid-accumulation: unreleased batches dropped
+
+REASONS = {
+    UNKNOWN: "{unknown} physical batch(es) ran outside a recorded epoch (a "
+             "custom training loop, or fit without make_private's epoch "
+             "tracking); each was accounted as if it could hold any example "
+             "(as its own epoch). In a custom loop, call "
+             "optimizer.accounting_ledger.end_epoch() after each pass over "
+             "the data",
+    NOT_PASSES: "fit ran with steps_per_epoch on data of unknown or infinite "
+                "size (e.g. a repeated tf.data.Dataset), so its epochs need "
+                "not be passes over the data; their batches were accounted "
+                "as if each could hold any example",
+    ABORTED: "an epoch began whose end was never recorded; its batches were "
+             "accounted as if each could hold any example",
+}
+NOTES = {
+    SUB_EPOCHS: "fit ran with steps_per_epoch: each of its epochs was counted "
+                "as a full pass over the data (several such epochs may share "
+                "one pass, so ε may be lower)",
+    REBASED: "a run was restored in the middle of an accumulated logical "
+             "batch; those unreleased batches were dropped and the "
+             "accounting kept what had been released",
+}
+
+STATE_SIZE = 32
+_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Releases:
+  """Worst-case multiplicities of one example over the closed releases.
+
+  single: releases holding it once; double: twice (σ/2); more_squares: Σ c²
+  over the releases holding it c ≥ 3 times (more_count of them).
+  """
+  single: int = 0
+  double: int = 0
+  more_squares: int = 0
+  more_count: int = 0
+
+  @property
+  def total(self):
+    """Σ c²: the run is as private as this many releases at sensitivity Δ."""
+    return self.single + 4 * self.double + self.more_squares
+
+  def close(self, c, times=1):
+    """Adds ``times`` closed releases that hold the example c times."""
+    if c <= 0 or times <= 0:
+      return self
+    if c == 1:
+      return dataclasses.replace(self, single=self.single + times)
+    if c == 2:
+      return dataclasses.replace(self, double=self.double + times)
+    return dataclasses.replace(self,
+                               more_squares=self.more_squares + c * c * times,
+                               more_count=self.more_count + times)
+
+
+def _best(candidates):
+  best = None
+  for r in candidates:
+    if best is None or r.total > best.total:
+      best = r
+  return best
+
+
+def _merge(pairs):
+  """{c: best Releases} from (c, Releases) pairs."""
+  out = {}
+  for c, r in pairs:
+    if c not in out or r.total > out[c].total:
+      out[c] = r
+  return out
+
+
+@dataclasses.dataclass
+class LedgerState:
+  """The record of what ran (see the module docstring). Positions count
+  physical batches: batch i (0-based) is in release i // k."""
+  k: int = 1                 # physical batches per logical step (release)
+  position: int = 0          # end of the committed history
+  open: bool = False         # an epoch began at `position` and has not ended
+  passes: int = 0            # recorded epochs (passes) committed
+  unknown: int = 0           # batches committed outside any recorded epoch
+  min_len: int = 0           # fewest batches in a recorded epoch (0: none)
+  max_len: int = 0           # most batches in a recorded epoch
+  last_len: int = 0          # batches in the last pass (1 for unknown ones)
+  min_separation: int = 0    # fewest batches in a pass other than the last
+  reasons: int = 0
+  span: int = 0              # passes that intersect the open release
+  max_span: int = 0          # most passes intersecting one closed release
+  # c -> worst case over the closed releases, with c occurrences placed in
+  # the open release (the one holding batch `position`, if position % k).
+  branches: dict = dataclasses.field(default_factory=lambda: {0: Releases()})
+
+  # ------------------------------------------------------------ encoding
+  def encode(self):
+    """A fixed-size int64 vector (all zeros: a fresh ledger)."""
+    out = np.zeros(STATE_SIZE, np.int64)
+    out[:13] = [_VERSION, self.position, int(self.open), self.passes,
+                self.unknown, self.min_len, self.max_len, self.last_len,
+                self.min_separation, self.reasons, self.span, self.max_span,
+                len(self.branches)]
+    for i, (c, r) in enumerate(sorted(self.branches.items())):
+      out[13 + 5 * i:18 + 5 * i] = [c, r.single, r.double, r.more_squares,
+                                    r.more_count]
+    return out
+
+  @classmethod
+  def decode(cls, values, k):
+    v = [int(x) for x in np.asarray(values).reshape(-1)]
+    if not v or v[0] == 0:
+      return cls(k=k)
+    if v[0] != _VERSION:
+      raise ValueError(f"Unknown accounting ledger format {v[0]}.")
+    branches = {}
+    for i in range(v[12]):
+      c, *counts = v[13 + 5 * i:18 + 5 * i]
+      branches[c] = Releases(*counts)
+    return cls(k=k, position=v[1], open=bool(v[2]), passes=v[3],
+               unknown=v[4], min_len=v[5], max_len=v[6], last_len=v[7],
+               min_separation=v[8], reasons=v[9], span=v[10],
+               max_span=v[11], branches=branches or {0: Releases()})
+
+  def copy(self):
+    return dataclasses.replace(self, branches=dict(self.branches))
+
+  # ------------------------------------------------------ the recording
+  def _note_length(self, length):
+    if self.last_len:
+      self.min_separation = (min(self.min_separation, self.last_len)
+                             if self.min_separation else self.last_len)
+    self.last_len = length
+
+  def _add_pass(self, end):
+    """One pass over [position, end): each example in at most one of its
+    batches, so in at most one release among those it intersects; the
+    worst case places it where Σ c² grows most."""
+    k, start = self.k, self.position
+    first, last = start // k, (end - 1) // k
+    shared = start % k != 0  # the first release holds earlier batches
+    closes = end % k == 0    # the last release ends with this pass
+    branches = self.branches if shared else {0: _best(
+        r.close(c) for c, r in self.branches.items())}
+    span = (self.span if shared else 0) + 1
+    if first == last:  # inside one release: the example goes there
+      forced = {c + 1: r for c, r in branches.items()}
+      if closes:
+        self.max_span = max(self.max_span, span)
+        self.branches = {0: _best(r.close(c) for c, r in forced.items())}
+        self.span = 0
+      else:
+        self.branches, self.span = forced, span
+    else:
+      self.max_span = max(self.max_span, span)
+      if last - first > 1 or closes:  # whole releases of this pass alone
+        self.max_span = max(self.max_span, 1)
+      with_it = _best(r.close(c + 1) for c, r in branches.items())
+      without = _best(r.close(c) for c, r in branches.items())
+      if closes:
+        self.branches = {0: _best([with_it, without.close(1)])}
+        self.span = 0
+      else:
+        # In the first (or a whole) release, or in the open last one.
+        elsewhere = ([with_it, without.close(1)] if last - first > 1
+                     else [with_it])
+        self.branches = _merge([(0, _best(elsewhere)), (1, without)])
+        self.span = 1
+    self.position = end
+
+  def _add_unknown(self, end):
+    """Batches [position, end) of no known pass: each its own pass."""
+    k = self.k
+    while self.position < end and self.position % k:
+      self._add_pass(self.position + 1)
+    whole = (end - self.position) // k
+    if whole:
+      closed = _best(r.close(c) for c, r in self.branches.items())
+      self.branches = {0: closed.close(k, whole)}
+      self.max_span = max(self.max_span, k)
+      self.position += whole * k
+    while self.position < end:
+      self._add_pass(self.position + 1)
+
+  def commit(self, end, known, reason=UNKNOWN):
+    """Commits [position, end) as one pass (``known``) or as batches of no
+    known pass (flagging ``reason``)."""
+    if end <= self.position:
+      return
+    length = end - self.position
+    if known:
+      self._add_pass(end)
+      self.passes += 1
+      self.min_len = min(self.min_len, length) if self.min_len else length
+      self.max_len = max(self.max_len, length)
+      self._note_length(length)
+    else:
+      self._add_unknown(end)
+      self.unknown += length
+      self.reasons |= reason
+      if length > 1:
+        self._note_length(1)
+      self._note_length(1)
+
+  def rebase(self, position):
+    """The optimizer is behind the record (restored mid-accumulation: the
+    pending batches were dropped, never released): forget the open release
+    and continue from ``position``."""
+    if position >= self.position:
+      return
+    dropped = self.position - position
+    self.branches = {0: _best(self.branches.values())}
+    self.span = 0
+    if self.last_len:
+      self.last_len = max(1, self.last_len - dropped)
+    self.position = position
+    self.reasons |= REBASED
+
+  def begin(self, position):
+    """An epoch (pass) begins at ``position``."""
+    self.rebase(position)
+    if self.open and position == self.position:
+      return
+    self.commit(position, known=False,
+                reason=ABORTED if self.open else UNKNOWN)
+    self.open = True
+
+  def end(self, position):
+    """The batches since the last commit were one pass; none is open."""
+    self.rebase(position)
+    self.commit(position, known=True)
+    self.open = False
+
+  def close_open(self, position):
+    """Ends an open epoch (an interrupted ``fit``: its batches so far are a
+    prefix of one pass); no-op when none is open."""
+    if self.open:
+      self.end(position)
+
+  # ---------------------------------------------------------- reporting
+  def structure(self, position, extra_pass=0):
+    """The :class:`RunStructure` of the run up to ``position`` (an open
+    epoch counts as a pass so far), plus an ``extra_pass`` of that many
+    batches (a look-ahead)."""
+    state = self.copy()
+    state.rebase(position)
+    state.commit(position, known=state.open)
+    if extra_pass:
+      state.commit(position + extra_pass, known=True)
+      position += extra_pass
+    if position % state.k:
+      # The open release has not been released: what it holds is not out.
+      releases = _best(state.branches.values())
+    else:
+      releases = _best(r.close(c) for c, r in state.branches.items())
+    return RunStructure(
+        steps=position // state.k, batches=position,
+        passes=state.passes, unknown_batches=state.unknown,
+        min_epoch_batches=state.min_len, max_epoch_batches=state.max_len,
+        last_epoch_batches=state.last_len,
+        min_separation=state.min_separation, releases=releases,
+        max_multiplicity=max(1, state.max_span), reasons=state.reasons,
+        k=state.k)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStructure:
+  """What the once-per-epoch accounting of a run composes.
+
+  steps: logical steps (releases) up to here; batches: physical batches.
+  passes: recorded epochs; unknown_batches: batches of no recorded epoch
+  (each accounted as its own pass). releases: worst-case multiplicities
+  (:class:`Releases`). max_multiplicity: most passes one release touched.
+  min_separation: fewest batches in a pass other than the last (0: at most
+  one pass). reasons: bits of why ε is an upper bound (and notes).
+  """
+  steps: int
+  batches: int
+  passes: int
+  unknown_batches: int
+  min_epoch_batches: int
+  max_epoch_batches: int
+  last_epoch_batches: int
+  min_separation: int
+  releases: Releases
+  max_multiplicity: int
+  reasons: int
+  k: int
+
+  @property
+  def participations(self):
+    """Passes an example can be in: recorded epochs plus unknown batches."""
+    return self.passes + self.unknown_batches
+
+  @property
+  def is_upper_bound(self):
+    return bool(self.reasons & (UNKNOWN | NOT_PASSES | ABORTED))
+
+  def upper_bound_reasons(self):
+    """Why ε is an upper bound (sentences; empty if it is not one)."""
+    return [text.format(unknown=self.unknown_batches)
+            for bit, text in REASONS.items() if self.reasons & bit]
+
+  def notes(self):
+    """Other remarks on how the run was accounted (sentences)."""
+    return [text for bit, text in NOTES.items() if self.reasons & bit]
+
+  def describe(self):
+    """One line: the epochs and batches the accounting composed."""
+    parts = []
+    if self.passes:
+      if self.min_epoch_batches == self.max_epoch_batches:
+        per = f"{self.min_epoch_batches} batch(es) each"
+      else:
+        per = (f"{self.min_epoch_batches} to {self.max_epoch_batches} "
+               "batches")
+      parts.append(f"{self.passes} epoch(s) as run ({per})")
+    if self.unknown_batches:
+      parts.append(f"{self.unknown_batches} batch(es) of no recorded epoch, "
+                   "each counted as an epoch")
+    return " + ".join(parts) or "no epochs yet"
+
+  def logical_steps_per_epoch(self):
+    """Conservative logical steps per pass: the fewest in any pass but the
+    last (≥ 1), so that steps / it bounds the passes and floor(it) the
+    separation of two uses of an example; None before a second pass."""
+    if not self.min_separation:
+      return None
+    return max(1.0, self.min_separation / self.k)
+
+  def accounting_steps_per_epoch(self):
+    """:meth:`logical_steps_per_epoch`, or the whole run while it has held
+    at most one pass (one participation)."""
+    return self.logical_steps_per_epoch() or float(max(1, self.steps))
+
+
+# -------------------------------------------------------------- optimizer
+class AccountingLedger:
+  """The ledger of one DP optimizer (``optimizer.accounting_ledger``).
+
+  Custom training loops call :meth:`end_epoch` after each pass over the data
+  (each example in at most one of the batches since the previous call), and
+  may call :meth:`begin_epoch` at the start of each (batches outside
+  begin/end are then accounted as unknown). Without either, every batch is
+  accounted as possibly holding any example: an upper bound on ε.
+  """
+
+  def __init__(self, optimizer):
+    self._optimizer = optimizer
+    self._pending = None  # the state before the optimizer is built
+    self.recorder = None  # the EpochRecorder of a running fit, if any
+
+  @property
+  def _k(self):
+    return int(getattr(self._optimizer, "accumulation_steps", 1) or 1)
+
+  def position(self):
+    """Physical batches of the run that count: logical steps · k, plus
+    those accumulated toward the next one."""
+    optimizer = self._optimizer
+    k = self._k
+    position = int(optimizer.iterations.numpy()) * k
+    if k > 1 and optimizer.built:
+      accumulated = optimizer._physical_step  # pylint: disable=protected-access
+      position += int(accumulated.numpy()) % k
+    return position
+
+  def _variable(self):
+    return getattr(self._optimizer, "_ledger_variable", None)
+
+  def initial_values(self):
+    """The encoded state for the variable the optimizer builds."""
+    return (self._pending or LedgerState(k=self._k)).encode()
+
+  def state(self):
+    """The current :class:`LedgerState` (a copy)."""
+    variable = self._variable() if self._optimizer.built else None
+    if variable is None:
+      return (self._pending or LedgerState(k=self._k)).copy()
+    return LedgerState.decode(variable.numpy(), self._k)
+
+  def _store(self, state):
+    variable = self._variable() if self._optimizer.built else None
+    if variable is None:
+      self._pending = state
+    else:
+      variable.assign(state.encode())
+
+  def _update(self, change):
+    state = self.state()
+    change(state, self.position())
+    self._store(state)
+
+  def begin_epoch(self):
+    """A pass over the data begins now."""
+    self._update(lambda s, p: s.begin(p))
+
+  def end_epoch(self):
+    """The physical batches since the last epoch boundary were one pass over
+    the data: each example in at most one of them."""
+    self._update(lambda s, p: s.end(p))
+
+  def close_open_epoch(self):
+    """Ends an epoch left open (interrupted); no-op otherwise."""
+    self._update(lambda s, p: s.close_open(p))
+
+  def record_unknown(self, reason=UNKNOWN):
+    """The batches since the last boundary belong to no known pass."""
+    self._update(lambda s, p: s.commit(p, known=False, reason=reason))
+
+  def flag(self, reason):
+    self._update(lambda s, p: setattr(s, "reasons", s.reasons | reason))
+
+  def structure(self, extra_epoch_batches=0):
+    """The :class:`RunStructure` of what ran (see LedgerState.structure)."""
+    return self.state().structure(self.position(), extra_epoch_batches)
+
+
+def ledger_of(optimizer):
+  """The AccountingLedger of a DP optimizer (or of the Keras 3 optimizer a
+  tf_keras one drives); None for others."""
+  inner = getattr(optimizer, "keras_optimizer", optimizer)
+  return getattr(inner, "accounting_ledger", None)
+
+
+# ------------------------------------------------------------------- fit
+def _finite(x):
+  """True if ``fit`` stops an epoch where the data ends (its size is known
+  and finite): NumPy arrays and tensors, finite ``tf.data`` datasets,
+  ``keras.utils.PyDataset``. Then no epoch spans two passes."""
+  if isinstance(x, tf.data.Dataset):
+    return int(x.cardinality()) >= 0
+  if isinstance(x, keras.utils.PyDataset):
+    return True
+  leaves = tf.nest.flatten(x)
+  return bool(leaves) and all(
+      isinstance(leaf, (np.ndarray, tf.Tensor, np.generic))
+      or type(leaf).__module__.startswith("pandas") for leaf in leaves)
+
+
+class EpochRecorder(keras.callbacks.Callback):
+  """Records ``fit``'s epochs in the optimizer's ledger, as passes over the
+  data when they are (``epochs_are_passes``), else as unknown batches."""
+
+  def __init__(self, epochs_are_passes=True, sub_epochs=False):
+    super().__init__()
+    self.epochs_are_passes = epochs_are_passes
+    self.sub_epochs = sub_epochs
+
+  def _ledger(self):
+    return ledger_of(getattr(self.model, "optimizer", None))
+
+  def on_train_begin(self, logs=None):
+    ledger = self._ledger()
+    if ledger is not None and self.sub_epochs:
+      ledger.flag(SUB_EPOCHS)
+
+  def on_epoch_begin(self, epoch, logs=None):
+    ledger = self._ledger()
+    if ledger is not None and self.epochs_are_passes:
+      ledger.begin_epoch()
+
+  def on_epoch_end(self, epoch, logs=None):
+    ledger = self._ledger()
+    if ledger is None:
+      return
+    if self.epochs_are_passes:
+      ledger.end_epoch()
+    else:
+      ledger.record_unknown(NOT_PASSES)
+
+  def finish(self):
+    """After ``fit`` (also when it raised): an epoch cut short is a prefix
+    of one pass; unrecorded batches of non-pass epochs are unknown."""
+    ledger = self._ledger()
+    if ledger is None:
+      return
+    if self.epochs_are_passes:
+      ledger.close_open_epoch()
+    else:
+      ledger.record_unknown(NOT_PASSES)
+
+
+_FIT_MARK = "_tf_dpadambc_ledger_fit"
+
+
+def track_fit(model):
+  """Wraps ``model.fit`` so that every run records its epochs in the DP
+  optimizer's ledger (``make_private`` calls it)."""
+  fit = model.fit
+  if getattr(fit, _FIT_MARK, False):
+    return
+  signature = inspect.signature(type(model).fit)
+
+  def tracked_fit(*args, **kwargs):
+    try:
+      bound = signature.bind(model, *args, **kwargs)
+    except TypeError:
+      return fit(*args, **kwargs)  # let Keras report the bad call
+    arguments = bound.arguments
+    steps_per_epoch = arguments.get("steps_per_epoch")
+    finite = _finite(arguments.get("x"))
+    recorder = EpochRecorder(
+        epochs_are_passes=steps_per_epoch is None or finite,
+        sub_epochs=steps_per_epoch is not None and finite)
+    callbacks = arguments.get("callbacks")
+    if callbacks is None:
+      callbacks = [recorder]
+    elif isinstance(callbacks, keras.callbacks.CallbackList):
+      callbacks.append(recorder)
+    else:
+      callbacks = [recorder] + list(callbacks)
+    arguments["callbacks"] = callbacks
+    recorder.set_model(model)
+    ledger = ledger_of(getattr(model, "optimizer", None))
+    if ledger is not None:
+      ledger.recorder = recorder
+    try:
+      return fit(*bound.args[1:], **bound.kwargs)
+    finally:
+      if ledger is not None:
+        ledger.recorder = None
+      recorder.finish()
+
+  setattr(tracked_fit, _FIT_MARK, True)
+  tracked_fit.__doc__ = fit.__doc__
+  object.__setattr__(model, "fit", tracked_fit)
+
+
+def is_recording(optimizer):
+  """True while a ``fit`` wrapped by :func:`track_fit` records the epochs."""
+  ledger = ledger_of(optimizer)
+  return ledger is not None and ledger.recorder is not None
