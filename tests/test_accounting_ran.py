@@ -391,3 +391,22 @@ def test_gaussian_event_of_the_worst_case_is_exact():
       _rdp((1.5, 2), (0.75, 1), (0.5, 1)), rel=1e-9)
   assert math.isinf(dp.epsilon_of_event(
       dp.accounting.events.shuffled_gaussian_event(0.0, releases), DELTA))
+
+
+def test_an_epoch_that_repeats_the_data_is_not_taken_for_one_pass():
+  """Dataset.repeat(3) before fit: one Keras epoch holds 3 passes. Taking it
+  for one pass would report the ε of 1 participation instead of 3; the
+  ledger sees an epoch longer than ceil(N/B) batches and accounts every
+  batch as its own pass (an upper bound), and the statement says why."""
+  x, y = _data()
+  model = _model()
+  repeated = tf.data.Dataset.from_tensor_slices((x, y)).repeat(3).batch(B)
+  model.fit(repeated, epochs=1, verbose=0)
+  optimizer = model.optimizer
+  assert optimizer.steps_taken == 29  # ceil(285 / 10)
+  eps = _reported(optimizer)
+  assert eps >= _rdp((1.0, 3)) - 1e-9   # at least the 3 passes it held
+  assert eps == pytest.approx(_rdp((1.0, 29)), rel=1e-9)
+  text = dp.optimizer_privacy_statement(optimizer, N, DELTA)
+  assert "the data repeats within an epoch" in text
+  assert "upper bound" in text

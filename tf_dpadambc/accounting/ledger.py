@@ -40,6 +40,7 @@ NOT_PASSES = 2       # fit's epochs need not be passes over the data
 ABORTED = 4          # an epoch began but its end was never recorded
 SUB_EPOCHS = 8       # steps_per_epoch: each epoch counted as a whole pass
 REBASED = 16         # restored mid-accumulation: unreleased batches dropped
+LONG_EPOCH = 32      # an epoch held more batches than one pass over N can
 
 REASONS = {
     UNKNOWN: "{unknown} physical batch(es) ran outside a recorded epoch (a "
@@ -54,6 +55,10 @@ REASONS = {
                 "as if each could hold any example",
     ABORTED: "an epoch began whose end was never recorded; its batches were "
              "accounted as if each could hold any example",
+    LONG_EPOCH: "an epoch held more batches than one pass over the N "
+                "training examples can (the data repeats within an epoch, "
+                "e.g. Dataset.repeat before fit), so every batch was "
+                "accounted as if it could hold any example",
 }
 NOTES = {
     SUB_EPOCHS: "fit ran with steps_per_epoch: each of its epochs was counted "
@@ -336,7 +341,7 @@ class RunStructure:
 
   @property
   def is_upper_bound(self):
-    return bool(self.reasons & (UNKNOWN | NOT_PASSES | ABORTED))
+    return bool(self.reasons & (UNKNOWN | NOT_PASSES | ABORTED | LONG_EPOCH))
 
   def upper_bound_reasons(self):
     """Why ε is an upper bound (sentences; empty if it is not one)."""
@@ -453,9 +458,22 @@ class AccountingLedger:
   def flag(self, reason):
     self._update(lambda s, p: setattr(s, "reasons", s.reasons | reason))
 
-  def structure(self, extra_epoch_batches=0):
-    """The :class:`RunStructure` of what ran (see LedgerState.structure)."""
-    return self.state().structure(self.position(), extra_epoch_batches)
+  def structure(self, extra_epoch_batches=0, longest_pass=None):
+    """The :class:`RunStructure` of what ran (see LedgerState.structure).
+
+    ``longest_pass``: the most physical batches one pass over the training
+    set can hold (ceil(N / b)), where N is known. A recorded epoch longer
+    than that repeats data, so it cannot be one pass: then every batch is
+    accounted as its own pass (an upper bound, said in the statement).
+    """
+    position = self.position()
+    result = self.state().structure(position, extra_epoch_batches)
+    if longest_pass and result.max_epoch_batches > longest_pass:
+      everything = LedgerState(k=self._k)
+      everything.commit(position + extra_epoch_batches, known=False,
+                        reason=LONG_EPOCH)
+      result = everything.structure(position + extra_epoch_batches)
+    return result
 
 
 def ledger_of(optimizer):

@@ -67,7 +67,7 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
                               accountant)
   def event(sampling):
     return optimizer.dp_event(num_examples, batch_size, sampling)
-  structure = None if poisson else _run_structure(optimizer)
+  structure = None if poisson else _run_structure(optimizer, num_examples)
   sigma = (optimizer.accounted_noise_multiplier(num_examples)
            if structure is None else optimizer.effective_noise_multiplier)
   return _format(num_examples, batch_size, optimizer.steps_taken,
@@ -80,12 +80,13 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
                  how=_how_accounted(structure, sigma))
 
 
-def _run_structure(optimizer):
+def _run_structure(optimizer, num_examples):
   """The RunStructure of the optimizer's ledger, None before any step."""
   ledger = ledger_lib.ledger_of(optimizer)
   if ledger is None or not optimizer.built or not optimizer.steps_taken:
     return None
-  return ledger.structure()
+  inner = getattr(optimizer, "keras_optimizer", optimizer)
+  return inner._run_structure(num_examples=num_examples)  # pylint: disable=protected-access
 
 
 def _how_accounted(structure, sigma=None):
@@ -232,7 +233,7 @@ def _format_query(optimizer, num_examples, batch_size, delta, accountant):
       f"({optimizer.query_step_event()})",
       f"  ε = {shuffle:.3f} if each example is used exactly once per epoch "
       "(fixed-size batches): the guarantee of this run.",
-      *_how_accounted(_run_structure(optimizer)),
+      *_how_accounted(_run_structure(optimizer, num_examples)),
       f"  ε = {poisson:.3f} with Poisson sampling does NOT apply to this run "
       "(its batches were not Poisson samples).",
       _ASSUMPTIONS]
@@ -245,7 +246,7 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
   pattern, and amplified BandMF where the strategy is banded."""
   mechanism = optimizer.noise
   steps = optimizer.steps_taken
-  structure = _run_structure(optimizer)
+  structure = _run_structure(optimizer, num_examples)
   per_epoch = (structure.accounting_steps_per_epoch() if structure
                else optimizer.logical_steps_per_epoch(num_examples)
                or events.batches_per_epoch(num_examples, batch_size))

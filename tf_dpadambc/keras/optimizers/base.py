@@ -784,11 +784,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
       object.__setattr__(self, "_tf_dpadambc_ledger", ledger)
     return ledger
 
-  def _run_structure(self, extra_epoch_batches=0):
-    """The ledger's RunStructure, or None before the first step."""
+  def _run_structure(self, extra_epoch_batches=0, num_examples=None):
+    """The ledger's RunStructure, or None before the first step. With N,
+    an epoch longer than one pass over N examples (ceil(N / b) physical
+    batches) is not taken for one pass."""
     if not self.built or not (self.steps_taken or extra_epoch_batches):
       return None
-    return self.accounting_ledger.structure(extra_epoch_batches)
+    physical = int(self._max_physical_examples.numpy())
+    longest = (events.batches_per_epoch(num_examples, physical)
+               if num_examples and physical else None)
+    return self.accounting_ledger.structure(extra_epoch_batches, longest)
 
   def dp_event(self, num_examples, batch_size=None, sampling="poisson",
                steps=None, extra_epoch_batches=0):
@@ -834,8 +839,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
       raise ValueError("No private step was taken yet: pass batch_size.")
     planned = steps is not None and steps != self.steps_taken
     once_per_epoch = sampling in ("shuffle", "cyclic") and not planned
-    structure = (self._run_structure(extra_epoch_batches) if once_per_epoch
-                 else None)
+    structure = (self._run_structure(extra_epoch_batches, num_examples)
+                 if once_per_epoch else None)
     if structure is None:  # Poisson (steps are all that count), or a plan
       steps = ((self.steps_taken if steps is None else steps)
                + extra_epoch_batches // self.accumulation_steps)
@@ -870,7 +875,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     microbatching's 2C). Before the first step, the most a step could touch
     with epochs of ceil(N / b) physical batches.
     """
-    structure = self._run_structure()
+    structure = self._run_structure(num_examples=num_examples)
     if structure is None:
       return (self.effective_noise_multiplier
               / self._epochs_per_logical_step(num_examples))
@@ -878,7 +883,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def _planned_noise_multiplier(self, num_examples):
     """σ for a planned run: the worst a logical step could touch."""
-    structure = self._run_structure()
+    structure = self._run_structure(num_examples=num_examples)
     touched = self._epochs_per_logical_step(num_examples)
     if structure is not None:
       touched = max(touched, structure.max_multiplicity)
@@ -896,7 +901,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if k == 1 or not physical:
       return 1
     p = events.batches_per_epoch(num_examples, physical)
-    structure = self._run_structure()
+    structure = self._run_structure(num_examples=num_examples)
     if structure is not None and structure.min_epoch_batches:
       p = min(p, structure.min_epoch_batches)
     if p % k == 0:
@@ -908,7 +913,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def logical_steps_per_epoch(self, num_examples):
     """Logical steps per pass over the data: the fewest the run's epochs
     held (all but the last), else ceil(N / b) / k, b physical."""
-    structure = self._run_structure()
+    structure = self._run_structure(num_examples=num_examples)
     if structure is not None and structure.logical_steps_per_epoch():
       return structure.logical_steps_per_epoch()
     physical = (int(self._max_physical_examples.numpy()) if self.built
