@@ -1,7 +1,8 @@
 """Correlated (DP-MF) noise in the train step: streaming equals C⁻¹z, the
-optimizers add exactly that noise, Φ under MF matches Monte Carlo, saved runs
-resume with the same noise, every variant trains with it, the DPQuery
-protocol, and the accounting."""
+optimizers add exactly that noise, Φ under MF matches Monte Carlo, a run
+split over fit calls continues its noise (saved runs refuse to resume
+mid-stream: tests/test_serialization.py), every variant trains with it, the
+DPQuery protocol, and the accounting."""
 import warnings
 
 import dp_accounting
@@ -168,9 +169,12 @@ def test_mf_bias_of_v_hat_matches_monte_carlo_within_two_percent():
   assert per_step[39] / per_step[0] > 1.25
 
 
-# ------------------------------------------- 4. save / restore continuity
+# ------------------------------------------------ 4. stream continuity
 @pytest.mark.parametrize("name", ["banded", "blt", "dense"])
-def test_a_resumed_run_draws_exactly_the_uninterrupted_noise(name, tmp_path):
+def test_a_run_split_over_fit_calls_draws_exactly_the_uninterrupted_noise(
+    name):
+  # The stream's state lives in (unsaved) optimizer variables, so it goes on
+  # across fit calls; a restored run refuses instead (test_serialization).
   def optimizer():
     return dp.DPAdamBC(1.0, 0.9, learning_rate=0.01, seed=21,
                        noise=mechanisms.CorrelatedNoise(STRATEGIES[name], 8))
@@ -182,18 +186,13 @@ def test_a_resumed_run_draws_exactly_the_uninterrupted_noise(name, tmp_path):
             verbose=0)
   uninterrupted = model.get_weights()
 
-  half = variants._private(optimizer(), model=variants._model())
-  half.set_weights(initial)
-  half.fit(variants.X, variants.Y, batch_size=8, epochs=1, shuffle=False,
-           verbose=0)
-  path = str(tmp_path / "half.keras")
-  half.save(path)
-  loaded = dp.make_private(keras.models.load_model(path))
-  assert isinstance(loaded.optimizer.noise.strategy, type(STRATEGIES[name]))
-  loaded.fit(variants.X, variants.Y, batch_size=8, epochs=1, shuffle=False,
-             verbose=0)
-  assert loaded.optimizer.steps_taken == 4
-  for a, b in zip(loaded.get_weights(), uninterrupted):
+  split = variants._private(optimizer(), model=variants._model())
+  split.set_weights(initial)
+  for _ in range(2):
+    split.fit(variants.X, variants.Y, batch_size=8, epochs=1, shuffle=False,
+              verbose=0)
+  assert split.optimizer.steps_taken == 4
+  for a, b in zip(split.get_weights(), uninterrupted):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -256,49 +255,6 @@ def test_correlated_noise_refuses_a_step_on_a_subset_of_the_variables():
   opt.apply_private([tf.zeros(3), tf.zeros(2)], 4, 4, [a, b])
   with pytest.raises(ValueError, match="every step must update all"):
     opt.apply_private([tf.zeros(3)], 4, 4, [a])
-
-
-def test_saving_correlated_state_warns_that_the_file_is_secret(tmp_path):
-  opt = dp.DPAdam(1.0, 1.0, noise=mechanisms.CorrelatedNoise(
-      STRATEGIES["banded"], 4))
-  model = variants._private(opt)
-  model.fit(variants.X, variants.Y, batch_size=8, epochs=1, verbose=0)
-  with pytest.warns(UserWarning, match="holds past DP-MF noise"):
-    model.save(str(tmp_path / "m.keras"))
-
-
-def test_dense_strategy_resumes_with_its_secret_seed(tmp_path):
-  """A Dense C redraws z_0..z_t each step; with seed=None the secret seed is
-  saved with the state, so the resumed run redraws the same past noise."""
-  def optimizer():
-    return dp.DPAdam(1.0, 0.9, learning_rate=0.01,
-                     noise=mechanisms.CorrelatedNoise(STRATEGIES["dense"], 8))
-
-  first = optimizer()
-  keras.utils.set_random_seed(1)
-  model = variants._private(first)
-  initial = model.get_weights()
-  model.fit(variants.X, variants.Y, batch_size=8, epochs=1, shuffle=False,
-            verbose=0)
-  path = str(tmp_path / "dense.keras")
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    model.save(path)
-  loaded = dp.make_private(keras.models.load_model(path))
-  np.testing.assert_array_equal(loaded.optimizer._seed().numpy(),
-                                first._seed_pair)
-  assert loaded.optimizer._seed_pair != first._seed_pair  # fresh, unused
-  loaded.fit(variants.X, variants.Y, batch_size=8, epochs=1, shuffle=False,
-             verbose=0)
-  # The uninterrupted run with the same secret seed.
-  again = optimizer()
-  again._seed_pair = list(first._seed_pair)
-  whole = variants._private(again, model=variants._model())
-  whole.set_weights(initial)
-  whole.fit(variants.X, variants.Y, batch_size=8, epochs=2, shuffle=False,
-            verbose=0)
-  for a, b in zip(loaded.get_weights(), whole.get_weights()):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_dpquery_noise_ignores_the_global_seed():

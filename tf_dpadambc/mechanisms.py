@@ -12,9 +12,9 @@ participations, min_separation)``                                           (σ)
 ======================================  =================================  =========================
 
 with Δ the clipping's sensitivity and z_t ~ N(0, I). The optimizers use
-:meth:`sample` (deterministic counter-based seeds, state kept in optimizer
-variables, so a resumed run draws exactly the noise of an uninterrupted
-one); the adaptive variants scale their noise bias Φ_t by
+:meth:`sample` (deterministic counter-based seeds, state kept in unsaved
+optimizer variables, so a run continues its stream across ``fit`` calls);
+the adaptive variants scale their noise bias Φ_t by
 :meth:`variance_factor` = sens(C)²·‖row_t(C⁻¹)‖².
 
 Each mechanism is also a TF-Privacy ``DPQuery`` (a sum query like
@@ -24,8 +24,10 @@ and ``record_specs``: ``initial_global_state``, ``derive_sample_params``,
 ``merge_sample_states``, ``get_noised_result`` → (result, new global state,
 DpEvent), ``derive_metrics``.
 
-Secrecy: the correlated state holds past noise. Like the seed, an optimizer
-checkpoint of a DP-MF run must stay private (the trained weights need not).
+Secrecy: the correlated state holds past noise, as secret as the seed.
+Neither is ever saved (no optimizer file, checkpoint or SavedModel holds
+them), so a DP-MF run cannot resume from a file mid-stream: the optimizer
+refuses to train on (``DPOptimizer._stream_error``).
 """
 import collections
 import math
@@ -295,8 +297,8 @@ class CorrelatedNoise(NoiseMechanism):
   # --------------------------------------------------- optimizer-facing API
   @property
   def regenerates_past_draws(self):
-    """True for a Dense C: step t redraws z_0..z_t from the step seeds, so the
-    seeds must survive a save/restore."""
+    """True for a Dense C: step t redraws z_0..z_t from the step seeds, so
+    the stream needs the seed it started with (never saved)."""
     return isinstance(self.strategy, strategies.Dense)
 
   def state_shape(self, shape):

@@ -94,6 +94,19 @@ def _vectorize_l2_loss():
 _vectorize_l2_loss()
 
 
+# Queries whose global state is public: clip norms, noise stds and adaptive
+# clipping's estimates, all post-processing of released (noised) values.
+# Exact class names: a subclass may add state of its own.
+_PUBLIC_STATE = frozenset({"GaussianSumQuery", "QuantileAdaptiveClipSumQuery",
+                           "IndependentNoise"})
+
+
+def _public_state(query):
+  if type(query).__name__ == "NormalizedQuery":
+    return _public_state(getattr(query, "_numerator", None))
+  return type(query).__name__ in _PUBLIC_STATE
+
+
 def _leaf_shapes(state):
   return [tf.convert_to_tensor(t).shape for t in tf.nest.flatten(state)]
 
@@ -141,6 +154,14 @@ class QueryRelease:
       except NotAccountable as e:
         self._initial_event = e  # raised when an ε is asked for
     return state
+
+  @property
+  def public_state(self):
+    """True when the query's global state is known to hold nothing secret
+    (the optimizer saves it then; otherwise it is never saved: tree
+    aggregation keeps noise seeds, past noise and un-noised cumulative sums
+    there)."""
+    return _public_state(self.query)
 
   @property
   def is_private(self):

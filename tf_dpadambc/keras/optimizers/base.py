@@ -12,6 +12,7 @@ entry points (``apply``, ``apply_gradients``) receive gradients that were
 neither clipped per example nor noised, so they raise.
 """
 import collections
+import contextlib
 import numbers
 import warnings
 
@@ -95,9 +96,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
       over k physical batches. Clipped sums accumulate, the noise is drawn
       once, and the mean divides by the logical batch's number of units B;
       Φ and the accounting use that logical batch.
-    seed: ``None`` (a secret seed from the OS, never saved) or an integer that
-      makes the noise reproducible. Anyone who knows the seed can remove the
-      noise: use it for debugging and tests, and keep it secret.
+    seed: ``None`` (a secret seed from the OS) or an integer that makes the
+      noise reproducible. Anyone who knows the seed can remove the noise: use
+      it for debugging and tests, and keep it secret. No seed is ever saved,
+      not even a given one (``get_config`` says ``seed=None``): pass it again
+      to the optimizer that resumes a run.
     clipping: ``"standard"`` (g·min(1, C/‖g‖)) or ``"automatic"``
       (g·C/(‖g‖+γ), Bu et al., NeurIPS 2023: every unit is normalized, so C
       only scales the step; its sensitivity is still C).
@@ -188,8 +191,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self.noise = mechanism
     self.query = query
     self.expected_batch_size = expected_batch_size
-    self._seed_pair = (core_noise.random_seed() if seed is None
+    # Secret: a plain attribute that no tracking sees (see _keep_unsaved).
+    self._keep_unsaved("_seed_pair", core_noise.random_seed() if seed is None
                        else [int(seed) % (2**62), 0x5EED])
+    self._keep_unsaved("_step_traced", False)
     if query is not None and tf.compat.v1.get_seed(None)[0] is not None:
       warnings.warn(
           "The DPQuery draws its noise from TensorFlow's global random "
@@ -326,43 +331,88 @@ class DPOptimizer(keras.optimizers.Optimizer):
       raise ValueError(
           f"{len(self.l2_norm_clip)} per-layer clip norms for "
           f"{len(variables)} trainable variables: give one per variable.")
+    # Secret or un-noised state lives in unsaved variables (_unsaved_variable):
+    # none of it is in `variables`, in Keras' tracker or in TF's object
+    # graph, so no format writes it — .keras, .weights.h5, tf.train.Checkpoint,
+    # SavedModel, model.export, pickling — by construction, not per format.
     if self.accumulation_steps > 1:
-      self._accumulated_sums = self.add_optimizer_variables(
-          variables, "dp_clipped_sum")
-      self._accumulated_squares = (
-          self.add_optimizer_variables(variables, "dp_clipped_square_sum")
-          if self._uses_square_sum else [])
-      self._accumulated_units = scalar("dp_accumulated_units")
-      self._accumulated_examples = scalar("dp_accumulated_examples")
-      self._physical_step = scalar("dp_physical_step")
+      # The clipped sums of the pending logical step, not noised yet.
+      self._keep_unsaved("_accumulated_sums", [
+          self._unsaved_variable(v.shape, "dp_clipped_sum", v.dtype, like=v)
+          for v in variables])
+      self._keep_unsaved("_accumulated_squares", [
+          self._unsaved_variable(v.shape, "dp_clipped_square_sum", v.dtype,
+                                 like=v)
+          for v in variables] if self._uses_square_sum else [])
+      for name in ("accumulated_units", "accumulated_examples",
+                   "physical_step"):  # physical batches of the pending step
+        self._keep_unsaved(f"_{name}", self._unsaved_variable((), f"dp_{name}"))
+      # Public: physical batches fed so far. Saved, and mirrored by an
+      # unsaved copy, so that a step sees when a restore (in this process
+      # too) moved it and restarts the pending logical step.
+      self._physical_batches = scalar("dp_physical_batches")
+      self._keep_unsaved("_live_physical_batches",
+                         self._unsaved_variable((), "dp_live_physical_batches"))
     # The noise mechanism's streaming state, per release stream and variable
     # (correlated noise: past noise, as secret as the seed).
-    self._noise_state = {}
-    for stream in self._noise_streams:
-      shapes = [self.noise.state_shape(v.shape) for v in variables]
-      self._noise_state[stream] = [
-          None if shape is None else self.add_variable(
-              shape, initializer="zeros", dtype="float32",
-              name=f"dp_noise_state_{stream}_{i}")
-          for i, shape in enumerate(shapes)]
+    self._keep_unsaved("_noise_state", {
+        stream: [None if shape is None else self._unsaved_variable(
+            shape, f"dp_noise_state_{stream}_{i}", "float32")
+                 for i, shape in enumerate(
+                     self.noise.state_shape(v.shape) for v in variables)]
+        for stream in self._noise_streams})
 
-    self._query_variables = []
     if self.query is not None:
       self._build_query_state(variables)
+    else:
+      self._query_variables = []
 
-    # A Dense DP-MF strategy redraws z_0..z_t every step: a resumed run must
-    # redraw them with the same (secret) seed, so it is saved like the state.
-    # Under several synchronous replicas the seed lives in a variable too:
-    # MultiWorkerMirroredStrategy initializes variables by broadcast from
-    # worker 0, so every worker draws the same (once-global) noise even
-    # though each drew its own OS seed. Not saved (see _saved_variables).
-    self._seed_variable = None
-    replicated = (tf.distribute.has_strategy() and
-                  tf.distribute.get_strategy().num_replicas_in_sync > 1)
-    if self.noise.regenerates_past_draws or replicated:
-      self._seed_variable = self.add_variable(
-          (2,), initializer=keras.initializers.Constant(self._seed_pair),
-          dtype="int64", name="dp_noise_seed")
+    # The secret seed, in a variable so that a step can renew it. Under
+    # several synchronous replicas, MultiWorkerMirroredStrategy initializes
+    # variables by broadcast from worker 0, so every worker draws the same
+    # (once-global) noise even though each drew its own OS seed.
+    self._keep_unsaved("_seed_variable", self._unsaved_variable(
+        (2,), "dp_noise_seed", "int64",
+        keras.initializers.Constant(self._seed_pair)))
+    # The first step whose noise the current seed has not drawn yet; for
+    # correlated noise (and a DPQuery with secret state) also the position of
+    # the noise stream, which a step must continue (see _release).
+    self._keep_unsaved("_next_noise_step",
+                       self._unsaved_variable((), "dp_next_noise_step"))
+
+  def _keep_unsaved(self, name, value):
+    """Sets an attribute that no serialization sees.
+
+    ``object.__setattr__`` bypasses Keras' tracker (``variables``, which the
+    Keras formats save) and TF's attribute tracking (the object graph that
+    tf.train.Checkpoint and SavedModel save).
+    """
+    object.__setattr__(self, name, value)
+
+  def _unsaved_variable(self, shape, name, dtype="int64", initializer="zeros",
+                        like=None):
+    """A variable created like ``add_variable`` but tracked by nobody (keep it
+    with :meth:`_keep_unsaved`): for state that is secret or not noised."""
+    colocate = contextlib.nullcontext()
+    if like is not None:  # as add_variable_from_reference, for tf.distribute
+      colocate = self._distribution_strategy.extended.colocate_vars_with(
+          like.value if isinstance(like, keras.Variable) else like)
+      prefix = getattr(like, "path", None) or str(like.name).replace(":", "_")
+      name = prefix.replace("/", "_") + "_" + name
+    # Eagerly, also where build runs in a trace: a step reads these at trace
+    # time (_check_stream_continues).
+    with tf.init_scope(), colocate, keras.name_scope(self.name, caller=self):
+      return keras.Variable(initializer=keras.initializers.get(initializer),
+                            shape=shape, dtype=dtype, trainable=False,
+                            name=name)
+
+  @property
+  def _has_secret_stream(self):
+    """True when each step's noise continues a secret state (DP-MF's past
+    noise, a DPQuery's state that is not known to be public): such a run
+    cannot resume from any saved file."""
+    return self.is_correlated or (self.query is not None
+                                  and not self.query.public_state)
 
   def _build_query_state(self, variables):
     """One variable per tensor of the query's global state, so that the
@@ -380,16 +430,29 @@ class DPOptimizer(keras.optimizers.Optimizer):
           f"{self.name}: the DPQuery {type(self.query.query).__name__} adds "
           "no noise (its DpEvent says so): training is NOT differentially "
           "private.", UserWarning, stacklevel=3)
-    self._query_structure = state
+    self._keep_unsaved("_query_structure", state)
     with tf.init_scope():  # the state's values, also when built in a trace
       values = [tf.convert_to_tensor(t).numpy()
                 for t in tf.nest.flatten(state)]
+    # Saved only where the state is known to be public (Gaussian sum queries,
+    # adaptive clipping: post-processing of released values). Otherwise it
+    # may hold noise seeds, past noise or un-noised sums (tree aggregation's
+    # buffers and cumulative sums, DP-MF's stream): kept out of every file.
+    secret = not self.query.public_state
+    if secret:
+      self._keep_unsaved("_query_variables", [])
+    else:
+      self._query_variables = []
     for i, (value, shape) in enumerate(zip(values, self.query.state_shapes)):
       name = f"dp_query_state_{i}"
       if not shape.is_fully_defined():  # tree buffers grow: a plain variable
         with tf.init_scope():
           variable = tf.Variable(value, shape=shape, trainable=False,
                                  name=name)
+      elif secret:
+        variable = self._unsaved_variable(
+            value.shape, name, value.dtype.name,
+            keras.initializers.Constant(value))
       else:
         variable = self.add_variable(
             value.shape, dtype=value.dtype.name, name=name,
@@ -493,6 +556,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     trainable_variables)
       return
 
+    # A restore moved the saved batch count away from this process's: the
+    # pending sums are from another timeline (or were dropped with the
+    # file), so the logical step starts afresh (see _restart_after_restore).
+    restored = tf.not_equal(self._physical_batches, self._live_physical_batches)
+    for acc in self._accumulation_state():
+      acc.assign(tf.where(restored, tf.zeros_like(acc), acc))
+    batches = self._physical_batches.assign_add(1)
+    self._live_physical_batches.assign(batches)
     for acc, s in zip(self._accumulated_sums + self._accumulated_squares,
                       list(clipped_sum) + (squares or [])):
       acc.assign_add(s)
@@ -505,13 +576,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     ([acc.value for acc in self._accumulated_squares]
                      if self._uses_square_sum else None),
                     units, examples, trainable_variables)
-      for acc in self._accumulated_sums + self._accumulated_squares:
+      for acc in self._accumulation_state():
         acc.assign(tf.zeros_like(acc))
-      self._accumulated_units.assign(0)
-      self._accumulated_examples.assign(0)
       return tf.constant(True)
 
-    tf.cond(step % self.accumulation_steps == 0, release,
+    tf.cond(step >= self.accumulation_steps, release,
             lambda: tf.constant(False))
 
   def _variables_of_step(self, trainable_variables):
@@ -574,7 +643,69 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
   def _release(self, clipped_sum, clipped_square_sum, num_units,
                num_examples, variables):
-    """One logical step: noise once, normalise by B, update the weights."""
+    """One logical step: noise once, normalise by B, update the weights.
+
+    Never draws the noise of a step index twice with one seed, and refuses a
+    secret noise stream (DP-MF) that does not continue where it stopped.
+    """
+    self._keep_unsaved("_step_traced", True)  # see _restart_after_restore
+    step = tf.cast(self._iterations.value, tf.int64)
+    args = (clipped_sum, clipped_square_sum, num_units, num_examples,
+            variables)
+    if not self._has_secret_stream:
+      # A step index the current seed has drawn before: a restore rolled the
+      # step counter back in this process (unseen by load_own_variables,
+      # e.g. tf.train.Checkpoint.restore). Two releases with the same noise
+      # would let their difference cancel it, so go on with a fresh secret
+      # seed derived from the current one (in the compiled step: no OS).
+      seed = self._seed_variable
+      seed.assign(tf.where(
+          step < self._next_noise_step.value,
+          tf.random.experimental.stateless_split(seed.value, 2)[1],
+          seed.value))
+      self._next_noise_step.assign(step + 1)
+      self._release_now(*args)
+      return
+    self._check_stream_continues()  # eagerly, when the step is traced
+    # The same check inside the step, for a restore into an optimizer whose
+    # step is compiled already. It raises where the step is not compiled by
+    # XLA; XLA drops asserts, and there the step is skipped: no noise, no
+    # update, the step counter does not move (nothing is released).
+    continues = tf.equal(step, self._next_noise_step.value)
+    checks = tf.debugging.Assert(continues, [
+        "A noise stream cannot resume mid-stream: step", step,
+        "but the stream is at", self._next_noise_step.value])
+
+    def release():
+      self._next_noise_step.assign(step + 1)
+      self._release_now(*args)
+      return tf.constant(True)
+
+    with tf.control_dependencies([checks] if checks is not None else []):
+      tf.cond(continues, release, lambda: tf.constant(False))
+
+  def _check_stream_continues(self):
+    with tf.init_scope():
+      step = int(self._iterations.numpy())
+      position = int(self._next_noise_step.numpy())
+    if step != position:
+      raise ValueError(self._stream_error(step, position))
+
+  def _stream_error(self, step, position):
+    what = ("correlated (DP-MF) noise" if self.is_correlated else
+            f"DPQuery {type(self.query.query).__name__}")
+    return (
+        f"{self.name}: its {what} cannot resume mid-stream. Its step counter "
+        f"says {step} steps were taken (restored from a file), but its noise "
+        f"stream is at step {position}. Each step's noise continues a secret "
+        "state (past noise, and with a Dense strategy the seed) that no file "
+        "holds, so a restored run cannot continue the mechanism its ε was "
+        "computed for. Finish the run in one process (its checkpoints still "
+        "restore the weights, e.g. for inference), or train on with a new "
+        "optimizer: a new run, whose ε composes with this run's.")
+
+  def _release_now(self, clipped_sum, clipped_square_sum, num_units,
+                   num_examples, variables):
     # Releases are ordered like `variables`, which may be a subset of the
     # variables the optimizer was built with: update_step maps its variable
     # index to the release's position (see _position).
@@ -663,7 +794,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     return sample, new_states
 
   def _seed(self):
-    """The secret seed pair; a variable (saved) where past draws are redrawn."""
+    """The secret seed pair: an unsaved variable once built."""
     if getattr(self, "_seed_variable", None) is not None:
       return self._seed_variable.value
     return self._seed_pair
@@ -924,6 +1055,18 @@ class DPOptimizer(keras.optimizers.Optimizer):
             / self.accumulation_steps)
 
   # ----------------------------------------------------------- saving
+  # Every format saves `variables` (the Keras formats through
+  # save_own_variables, TF's through the object graph), and the secret or
+  # un-noised state is in none of them (see build). On restore:
+  # * a pending accumulation step restarts: its sums were not saved, and the
+  #   physical batches dropped with them were never released (no noise was
+  #   drawn for them), so nothing was spent on them and the accounting, which
+  #   counts releases, does not under-count;
+  # * the seed is new: drawn from the OS by a new optimizer (and, for a
+  #   restore into this one, by load_own_variables, or derived in the step
+  #   when the step counter went back, see _release);
+  # * a secret noise stream (DP-MF) cannot be continued: training refuses
+  #   until it is back where it stopped (see _stream_error).
   def _accumulation_state(self):
     if not self.built or self.accumulation_steps == 1:
       return []
@@ -932,39 +1075,58 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._physical_step]
 
   def _saved_variables(self):
-    unsaved = {id(v) for v in self._accumulation_state()}
-    if self._seed_variable is not None and not self.noise.regenerates_past_draws:
-      unsaved.add(id(self._seed_variable))  # only DP-MF's redraws need it
-    return [v for v in self.variables if id(v) not in unsaved]
+    """What every format saves: the tracked variables, nothing secret."""
+    return list(self.variables)
 
   def save_own_variables(self, store):
-    """Saves the optimizer state except the accumulated clipped sums.
-
-    Those are not noised yet: writing them to a file that may be shared would
-    leak clipped gradients. A run restored mid-accumulation starts the
-    logical batch afresh (the partial sums are dropped, never released).
-    """
-    if self.is_correlated:
-      warnings.warn(
-          f"{self.name}: the saved optimizer state holds past DP-MF noise "
-          "(and, for dense strategies, the noise seed). Keep this file as "
-          "private as the training data; to publish the model, save its "
-          "weights only (model.save_weights, or "
-          "model.save(..., include_optimizer=False)).", UserWarning,
-          stacklevel=2)
+    """Saves the optimizer state (Keras formats), which holds nothing secret:
+    not the accumulated clipped sums (not noised yet), not the seed, not a
+    noise stream's state (see build)."""
     for i, variable in enumerate(self._saved_variables()):
       store[str(i)] = variable.numpy()
 
   def load_own_variables(self, store):
     variables = self._saved_variables()
-    if len(store.keys()) != len(variables):
+    if len(store.keys()) == self._unbuilt_variable_count < len(variables):
+      # Saved before the first step (e.g. model.save right after compile):
+      # only the step counter and learning rate; the rest starts fresh.
+      variables = variables[:self._unbuilt_variable_count]
+    elif len(store.keys()) != len(variables):
       raise ValueError(
           f"Cannot restore {self.name}: the file holds {len(store.keys())} "
-          f"variables, this optimizer has {len(variables)}.")
+          f"variables, this optimizer has {len(variables)}"
+          + ("" if self.built else " (build it first: "
+             "optimizer.build(model.trainable_variables))") + ".")
     for i, variable in enumerate(variables):
       variable.assign(store[str(i)])
+    self._restart_after_restore()
+
+  @property
+  def _unbuilt_variable_count(self):
+    """Variables an optimizer has before build: the step counter and, unless
+    it is a schedule, the learning rate."""
+    return 1 + isinstance(self._learning_rate, keras.Variable)
+
+  def _restart_after_restore(self):
+    """After a restore into this (live) optimizer: the pending logical step
+    restarts and the seed is new, as in a new optimizer."""
+    if not self.built:
+      return  # nothing drawn, nothing pending: build starts afresh
     for variable in self._accumulation_state():
       variable.assign(tf.zeros_like(variable))
+    if self.accumulation_steps > 1:
+      self._live_physical_batches.assign(self._physical_batches)
+    if self._has_secret_stream:
+      step, position = (int(self._iterations.numpy()),
+                        int(self._next_noise_step.numpy()))
+      if step != position and self._step_traced:
+        # The compiled step could only skip (under XLA), not explain.
+        raise ValueError(self._stream_error(step, position))
+      return  # not traced yet: the first step refuses (or it continues)
+    if self.seed is None:
+      self._keep_unsaved("_seed_pair", core_noise.random_seed())
+      self._seed_variable.assign(self._seed_pair)
+      self._next_noise_step.assign(0)  # the new seed has drawn nothing
 
   # ---------------------------------------------------------- config
   def get_config(self):
@@ -981,7 +1143,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         "num_microbatches": self.num_microbatches,
         "gradient_accumulation_steps": (
             None if self.accumulation_steps == 1 else self.accumulation_steps),
-        "seed": self.seed,
+        "seed": None,  # never saved, not even a given one
         "clipping": self.clipping,
         "automatic_gamma": self.automatic_gamma,
         "noise": mechanisms.serialize(self.noise),
