@@ -299,7 +299,7 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
       "  Plain Poisson sampling has no closed-form ε with correlated noise: "
       "none is reported for it.",
       _ASSUMPTIONS,
-      "  The optimizer's saved state holds past noise: keep checkpoints as "
-      "secret as the seed (the trained weights need no such care).",
+      "  The noise stream is never saved: a run restored from a file cannot "
+      "resume it mid-stream (the optimizer refuses).",
   ]
   return "\n".join(lines)

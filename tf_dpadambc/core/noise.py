@@ -7,10 +7,11 @@ units B:
     ḡ = (Σ_u clip_C(g_u) + N(0, σ²C² I)) / B     per-coordinate std σC/B
 
 Randomness is stateless and counter-based (``tf.random.stateless_normal``
-keyed by (seed, step, parameter index)): it compiles under XLA, and a run
-restored from a checkpoint at step t draws exactly the noise the uninterrupted
-run would have. Whoever knows the seed can subtract the noise, so the seed must
-stay secret (the optimizers draw one from the OS unless given one).
+keyed by (seed, step, parameter index)): it compiles under XLA, and with the
+same seed step t draws the same noise. Whoever knows the seed can subtract the
+noise, so the seed must stay secret: the optimizers draw one from the OS unless
+given one, never save it, and draw a fresh one when restored (pass ``seed=``
+again to reproduce a seeded run).
 """
 import math
 import secrets
