@@ -1,5 +1,6 @@
 """The tf_keras (Keras 2) adapter: same update, noise and clipping as Keras 3."""
 import ast
+import re
 import os
 import pathlib
 import subprocess
@@ -52,7 +53,7 @@ def _unit_gradients(model, x, y, microbatches):
     part = slice(u * size, (u + 1) * size)
     with tf.GradientTape() as tape:
       loss = tf.reduce_mean(LOSS(y[part], model(x[part], training=True)))
-    out.append([g.numpy() for g in
+    out.append([tf.convert_to_tensor(g).numpy() for g in
                 tape.gradient(loss, model.trainable_variables)])
   return out
 
@@ -142,12 +143,13 @@ def _tutorial_cnn(seed=0):
 
 
 def _sgd_step(model, x, y, microbatches, clip, lr, vectorize=True,
-              sample_weight=None):
+              sample_weight=None, assume=False, **compile_kwargs):
   """One fit step of DPSGD without noise; returns the optimizer."""
   optimizer = _quiet(dptk.DPSGD, clip, 0.0, learning_rate=lr,
-                     num_microbatches=microbatches)
+                     num_microbatches=microbatches,
+                     assume_examples_independent=assume)
   optimizer.vectorize = vectorize
-  model.compile(optimizer=optimizer, loss=LOSS)
+  model.compile(optimizer=optimizer, loss=LOSS, **compile_kwargs)
   _quiet(model.fit, x, y, sample_weight=sample_weight, batch_size=len(x),
          shuffle=False, verbose=0)
   assert optimizer.steps_taken == 1
@@ -178,7 +180,7 @@ def _weighted_unit_gradients(model, x, y, weights, microbatches):
 
 def test_vectorized_path_applies_sample_weights_like_tf_keras():
   """Microbatches of 2 with sample weights: the vectorized step is the
-  reference formula and the jacobian path's step."""
+  reference formula and the (opted-in) jacobian path's step."""
   x, y = _data(8)
   weights = np.random.default_rng(1).uniform(0, 2, size=8).astype("float32")
   model = _mlp(1)
@@ -192,8 +194,9 @@ def test_vectorized_path_applies_sample_weights_like_tf_keras():
 
   jacobian = _mlp(1)
   optimizer = _sgd_step(jacobian, x, y, 4, clip, 0.3, vectorize=False,
-                        sample_weight=weights)
-  assert optimizer.per_unit_plan == "jacobian: vectorize=False"
+                        sample_weight=weights, assume=True)
+  assert optimizer.per_unit_plan == (
+      "jacobian: vectorize=False (assume_examples_independent=True)")
   assert optimizer.vectorized_steps == 0
   for a, b in zip(model.trainable_variables, jacobian.trainable_variables):
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
@@ -222,23 +225,67 @@ class _BatchCentering(tf_keras.layers.Layer):
     return inputs - tf.reduce_mean(inputs, axis=0, keepdims=True)
 
 
-def test_examples_mixed_by_an_undetected_layer_are_refused_before_update():
-  """Per-unit losses differ from the batch's: the jacobian rows would not be
-  per-example gradients either, so the step fails and no weight moves."""
+def _centring_model():
   tf_keras.utils.set_random_seed(0)
-  model = tf_keras.Sequential([
+  return tf_keras.Sequential([
       tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
       _BatchCentering(), tf_keras.layers.Dense(3)])
+
+
+def test_examples_mixed_by_an_undetected_layer_release_noise_only():
+  """Per-unit losses differ from the batch's: the check zeroes the clipped
+  sum inside the step (no assert op: XLA would drop it), so the step
+  releases noise only (σ = 0: no weight moves), and the host raises. (The
+  matrix below also runs it without XLA.)"""
+  model = _centring_model()
   x, y = _data(8)
   init = [w.numpy() for w in model.trainable_variables]
-  with pytest.raises(tf.errors.InvalidArgumentError,
-                     match="did not reproduce the losses of the batch"):
-    _sgd_step(model, x, y, 4, 0.2, 0.3)
+  optimizer = _quiet(dptk.DPSGD, 0.2, 0.0, learning_rate=0.3,
+                     num_microbatches=4)
+  model.compile(optimizer=optimizer, loss=LOSS, jit_compile=True)
+  with pytest.raises(RuntimeError, match="1 training step.s. refused"):
+    _quiet(model.fit, x, y, batch_size=8, verbose=0)
+  assert optimizer.steps_taken == 1 and optimizer.refused_steps == 1
   for w, w0 in zip(model.trainable_variables, init):
     np.testing.assert_array_equal(w.numpy(), w0)
 
 
-def test_dropout_model_uses_the_jacobian_and_respects_the_clip_bound():
+def test_a_refused_step_stops_fit_before_the_next_step():
+  """The refusal of the first (traced) step is read by the host before the
+  second step runs; a later fit raises again for its own refusals."""
+  model = _centring_model()
+  x, y = _data(24)
+  optimizer = _quiet(dptk.DPSGD, 0.2, 0.0, learning_rate=0.3)
+  model.compile(optimizer=optimizer, loss=LOSS)
+  with pytest.raises(RuntimeError, match="refused"):
+    _quiet(model.fit, x, y, batch_size=8, verbose=0)
+  assert optimizer.steps_taken == 1
+  with pytest.raises(RuntimeError, match="2 training step.s. refused"):
+    _quiet(model.fit, x, y, batch_size=8, verbose=0)
+  assert optimizer.steps_taken == 2
+
+
+def test_eager_fit_is_evaluated_per_unit_and_refuses_at_once():
+  x, y = _data(8)
+  model = _mlp(1)
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = _unit_gradients(model, x, y, None)
+  optimizer = _sgd_step(model, x, y, None, 0.2, 0.3, run_eagerly=True)
+  assert optimizer.per_unit_plan == "vectorized"
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
+
+  mixing = _centring_model()
+  init = [w.numpy() for w in mixing.trainable_variables]
+  with pytest.raises(RuntimeError, match="refused"):
+    _sgd_step(mixing, x, y, None, 0.2, 0.3, run_eagerly=True)
+  for w, w0 in zip(mixing.trainable_variables, init):
+    np.testing.assert_array_equal(w.numpy(), w0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_dropout_model_is_evaluated_per_unit_within_the_clip_bound(jit):
+  """Random layers draw data-independent values: per-unit evaluation stays
+  exact (the check compares the losses in inference mode)."""
   lr, clip = 0.5, 0.1
   rng = np.random.default_rng(2)
   x = 100 * rng.normal(size=(8, 4)).astype("float32")
@@ -246,14 +293,15 @@ def test_dropout_model_uses_the_jacobian_and_respects_the_clip_bound():
   tf_keras.utils.set_random_seed(3)
   model = tf_keras.Sequential([
       tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
-      tf_keras.layers.Dropout(0.5), tf_keras.layers.Dense(3)])
+      tf_keras.layers.Dropout(0.5), tf_keras.layers.GaussianNoise(0.1),
+      tf_keras.layers.Dense(3)])
   init = [w.numpy() for w in model.trainable_variables]
   optimizer = _quiet(dptk.DPSGD, clip, 0.0, learning_rate=lr)
   model.compile(optimizer=optimizer, loss=tf_keras.losses.MeanSquaredError(
-      reduction=tf_keras.losses.Reduction.NONE))
+      reduction=tf_keras.losses.Reduction.NONE), jit_compile=jit)
   _quiet(model.fit, x, y, batch_size=8, epochs=1, verbose=0)
-  assert optimizer.per_unit_plan == "jacobian: stochastic layer 'dropout'"
-  assert optimizer.steps_taken == 1
+  assert optimizer.per_unit_plan == "vectorized, checked in inference mode"
+  assert optimizer.steps_taken == 1 and optimizer.refused_steps == 0
   step = _global_norm([w.numpy() - s for w, s in
                        zip(model.trainable_variables, init)])
   assert 0.1 * lr * clip < step <= lr * clip * (1 + 1e-5)
@@ -270,19 +318,181 @@ class _CustomStep(tf_keras.Sequential):
     return {}
 
 
-def test_custom_train_step_uses_the_jacobian():
-  x, y = _data(8)
+class _CustomPerUnitStep(tf_keras.Sequential):
+  """A custom train_step with minimize_per_unit."""
+
+  def train_step(self, data):
+    x, y = data
+    losses = self.optimizer.minimize_per_unit(
+        lambda batch: LOSS(batch[1], self(batch[0], training=True)),
+        (x, y), self.trainable_variables)
+    return {"loss": tf.reduce_mean(losses)}
+
+
+def _custom_model(cls):
   tf_keras.utils.set_random_seed(0)
-  model = _CustomStep([
-      tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
-      tf_keras.layers.Dense(3)])
+  return cls([tf_keras.layers.Dense(5, activation="tanh", input_shape=(4,)),
+              tf_keras.layers.Dense(3)])
+
+
+def test_custom_train_step_minimize_needs_the_opt_out():
+  """A custom train_step's tape gives only the jacobian: refused before any
+  update unless assume_examples_independent=True (then TF-Privacy's
+  jacobian: the reference formula for this model, which does not mix)."""
+  x, y = _data(8)
+  model = _custom_model(_CustomStep)
   init = [w.numpy() for w in model.trainable_variables]
+  with pytest.raises(ValueError, match="minimize_per_unit[\\s\\S]*"
+                     "assume_examples_independent=True"):
+    _sgd_step(model, x, y, 4, 0.2, 0.3)
+  for w, w0 in zip(model.trainable_variables, init):
+    np.testing.assert_array_equal(w.numpy(), w0)
+
   unit_grads = _unit_gradients(model, x, y, 4)
-  optimizer = _sgd_step(model, x, y, 4, 0.2, 0.3)
+  optimizer = _sgd_step(model, x, y, 4, 0.2, 0.3, assume=True)
   assert optimizer.per_unit_plan == (
-      "jacobian: not called from tf_keras' stock Model.train_step")
+      "jacobian: not called from tf_keras' stock Model.train_step "
+      "(assume_examples_independent=True)")
   assert optimizer.vectorized_steps == 0
   _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
+
+
+@pytest.mark.parametrize("microbatches", [None, 4])
+def test_custom_train_step_minimize_per_unit_is_the_reference(microbatches):
+  x, y = _data(8)
+  model = _custom_model(_CustomPerUnitStep)
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = _unit_gradients(model, x, y, microbatches)
+  optimizer = _sgd_step(model, x, y, microbatches, 0.2, 0.3)
+  assert optimizer.per_unit_plan == "vectorized (minimize_per_unit)"
+  assert optimizer.logical_batch_size == 8
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
+
+
+class _RunningMean(tf_keras.layers.Layer):
+  """Keeps the batch mean in a variable and uses it: shared state."""
+
+  def build(self, shape):
+    self.mean = self.add_weight("mean", shape=shape[-1:], trainable=False,
+                                initializer="zeros")
+
+  def call(self, inputs):
+    self.mean.assign(0.9 * self.mean + 0.1 * tf.reduce_mean(inputs, 0))
+    return inputs - self.mean
+
+
+def test_a_layer_that_writes_variables_is_refused():
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([
+      tf_keras.layers.Dense(5, input_shape=(4,)), _RunningMean(),
+      tf_keras.layers.Dense(3)])
+  init = [w.numpy() for w in model.trainable_variables]
+  with pytest.raises(ValueError, match="writes variables"):
+    _sgd_step(model, *_data(8), None, 0.2, 0.3)
+  for w, w0 in zip(model.trainable_variables, init):
+    np.testing.assert_array_equal(w.numpy(), w0)
+
+
+def test_graph_inspection_sees_into_nested_functions():
+  """Writes and random draws hidden in a function the model calls."""
+  variable = tf.Variable(0.0)
+
+  @tf.function
+  def inner(x):
+    variable.assign(x[0])
+    return x + tf.random.uniform(tf.shape(x))
+
+  found = {}
+
+  @tf.function
+  def outer(x):
+    graph = tf.compat.v1.get_default_graph()
+    start = len(graph.get_operations())
+    out = inner(x) + tf.ones_like(x)
+    ops = graph.get_operations()[start:]
+    found["writes"] = _compat.state_writes(ops, None)
+    found["random"] = _compat.draws_random(ops)
+    found["pure"] = (_compat.state_writes(ops[-2:], None),
+                     _compat.draws_random(ops[-2:]))
+    return out
+
+  outer(tf.ones([2]))
+  assert found["writes"] and found["random"]
+  assert found["pure"] == ([], False)
+
+
+def test_keras3_dropout_in_a_tf_keras_model_is_random_not_state():
+  """A Keras 3 layer advances its SeedGenerator (a variable write) to draw
+  data-independent randomness: allowed, and checked in inference mode."""
+
+  class Keras3Dropout(tf_keras.layers.Layer):
+    def __init__(self):
+      super().__init__()
+      self.dropout = keras.layers.Dropout(0.5, seed=1)
+
+    def call(self, inputs, training=None):
+      return self.dropout(inputs, training=training)
+
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([
+      tf_keras.layers.Dense(5, input_shape=(4,)), Keras3Dropout(),
+      tf_keras.layers.Dense(3)])
+  optimizer = _sgd_step(model, *_data(8), None, 0.2, 0.3)
+  assert optimizer.per_unit_plan == "vectorized, checked in inference mode"
+  assert optimizer.refused_steps == 0
+
+
+@pytest.mark.parametrize("vectorizable", [True, False])
+def test_ops_tensorflow_cannot_vectorize_are_looped(vectorizable, monkeypatch):
+  """An embedding's gradient has no strict vectorization rule: TensorFlow
+  loops those ops. Where tf.vectorized_map fails altogether (e.g. LSTM),
+  tf.map_fn over units. Each unit is still evaluated alone: the reference
+  formula."""
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 10, size=(4, 3)).astype("int32")
+  y = rng.integers(0, 3, size=4).astype("int32")
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([
+      tf_keras.layers.Embedding(10, 2, input_length=3),
+      tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = _unit_gradients(model, x, y, None)
+  if not vectorizable:
+    def fail(*args, **kwargs):
+      raise ValueError("no vectorization rule (simulated)")
+    monkeypatch.setattr(tf, "vectorized_map", fail)
+  optimizer = _sgd_step(model, x, y, None, 0.2, 0.3)
+  assert optimizer.per_unit_plan == (
+      "vectorized, some ops looped" if vectorizable else "loop")
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
+
+
+def test_two_outputs_with_two_losses_take_the_per_unit_path():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(8, 4)).astype("float32")
+  y1 = rng.integers(0, 3, size=8).astype("int32")
+  y2 = rng.normal(size=(8, 1)).astype("float32")
+  models = []
+  for assume in (False, True):
+    tf_keras.utils.set_random_seed(0)
+    inp = tf_keras.Input((4,))
+    h = tf_keras.layers.Dense(5, activation="tanh")(inp)
+    model = tf_keras.Model(inp, [tf_keras.layers.Dense(3)(h),
+                                 tf_keras.layers.Dense(1)(h)])
+    optimizer = _quiet(dptk.DPSGD, 0.2, 0.0, learning_rate=0.3,
+                       assume_examples_independent=assume)
+    optimizer.vectorize = not assume
+    model.compile(optimizer=optimizer, loss=[
+        LOSS, tf_keras.losses.MeanSquaredError(
+            reduction=tf_keras.losses.Reduction.NONE)],
+                  loss_weights=[1.0, 0.5])
+    _quiet(model.fit, x, [y1, y2], batch_size=8, verbose=0)
+    assert optimizer.per_unit_plan == ("vectorized" if not assume else
+                                       "jacobian: vectorize=False "
+                                       "(assume_examples_independent=True)")
+    models.append(model)
+  for a, b in zip(*(m.trainable_variables for m in models)):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------- the noise
@@ -417,7 +627,7 @@ def test_apply_gradients_is_refused():
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 
-def test_custom_loop_minimize_is_private_and_needs_a_tape():
+def test_custom_loop_minimize_needs_a_tape_and_minimize_per_unit_works():
   x, y = _data(8)
   model = _mlp()
   optimizer = dptk.DPSGD(1.0, 1.0, learning_rate=0.1)
@@ -425,8 +635,19 @@ def test_custom_loop_minimize_is_private_and_needs_a_tape():
     loss = LOSS(y, model(x, training=True))
   with pytest.raises(ValueError, match="tape"):
     optimizer.minimize(loss, model.trainable_variables)
-  optimizer.minimize(loss, model.trainable_variables, tape=tape)
-  assert optimizer.steps_taken == 1
+  with pytest.raises(ValueError, match="cannot evaluate each example alone"):
+    optimizer.minimize(loss, model.trainable_variables, tape=tape)
+  assert optimizer.steps_taken == 0
+  def loss_fn(batch):
+    return LOSS(batch[1], model(batch[0], training=True))
+
+  for _ in range(2):
+    losses = optimizer.minimize_per_unit(loss_fn, (x, y),
+                                         model.trainable_variables)
+  assert losses.shape == (8,)
+  # Eager: the per-unit evaluation runs in one tf.function, traced once.
+  assert optimizer._eager_cache[1].experimental_get_tracing_count() == 1
+  assert optimizer.steps_taken == 2
   assert optimizer.logical_batch_size == 8
 
 
@@ -439,6 +660,8 @@ def test_custom_loop_minimize_is_private_and_needs_a_tape():
                                       "x"), "positional"),
     (lambda: dptk.TFKerasDPOptimizer(), "abstract"),
     (lambda: dptk.DPSGD.wrap(tf_dpadambc.DPAdam(1.0, 1.0)), "wraps DPSGD"),
+    (lambda: dptk.DPSGD(1.0, 1.0, assume_examples_independent="yes"),
+     "assume_examples_independent"),
 ])
 def test_invalid_parameters_fail_clearly(make, message):
   with pytest.raises((ValueError, TypeError), match=message):
@@ -469,6 +692,21 @@ def test_every_keras3_class_has_an_adapter_whose_config_round_trips():
     restored = _quiet(tf_keras.optimizers.deserialize,
                       tf_keras.optimizers.serialize(optimizer))
     assert type(restored) is cls and restored.get_config() == config
+    assert "assume_examples_independent" not in config
+
+
+def test_the_opt_out_is_explicit_and_round_trips():
+  optimizer = dptk.DPKerasAdamOptimizer(1.0, 1.1,
+                                        assume_examples_independent=True)
+  assert optimizer.assume_examples_independent
+  config = optimizer.get_config()
+  assert config["assume_examples_independent"] is True
+  again = dptk.DPKerasAdamOptimizer.from_config(config)
+  assert again.assume_examples_independent and again.get_config() == config
+  assert not dptk.DPAdamBC(1.0, 1.0).assume_examples_independent
+  assert dptk.DPSGD.wrap(tf_dpadambc.DPSGD(1.0, 1.0),
+                         assume_examples_independent=True
+                         ).assume_examples_independent
 
 
 def test_tf_privacy_signature_maps_to_our_arguments():
@@ -551,18 +789,25 @@ def test_private_tf_keras_internals_still_exist():
   for cls in (tf_keras.layers.BatchNormalization,
               tf_keras.layers.experimental.SyncBatchNormalization):
     assert issubclass(cls, _compat._TFKerasBatchNorm)
-  # The vectorized path (else every step silently takes the jacobian).
-  assert issubclass(tf_keras.layers.Dropout,
-                    _compat._base_layer.BaseRandomLayer)
+  # The per-unit fit path (else fit refuses: see the jacobian error).
   assert callable(_compat._compile_utils.match_dtype_and_rank)
   assert callable(_compat._losses_utils.apply_mask)
   assert {"x", "y", "sample_weight", "loss", "tape"} <= set(
       _compat._TRAIN_STEP.__code__.co_varnames)
+  assert callable(_compat._compile_utils.LossesContainer._conform_to_outputs)
+  assert callable(_compat._losses_utils.cast_losses_to_common_dtype)
+  # The host's check after a refused step.
+  for name in ("make_train_function", "_validate_and_get_metrics_result"):
+    assert callable(getattr(tf_keras.Model, name))
 
 
 # ------------------------------------------------ the tutorial, Keras 2
 def _run(args, env_extra):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env_extra)
+  # This checkout's package, not whichever one is installed.
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                         if p)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=path,
+             **env_extra)
   return subprocess.run([sys.executable] + args, cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
 
@@ -597,3 +842,154 @@ def test_tf_privacy_tutorial_runs_on_legacy_keras():
   assert "For delta=1e-5, the current epsilon is:" in proc.stdout
   assert "steps = 4 (2 epochs)" in proc.stdout  # 4 private steps taken
   assert "val_accuracy" in proc.stdout
+
+
+# --------------------------- examples that mix: issue 13, item 5 (σ = 0)
+# One huge example; is its influence on the update bounded by C/B (lr = 1,
+# DPSGD: Δw = -Σ_u clip_C(g_u)/B), or does training refuse before any
+# weight moves? "Zeroing" the example (features and sample weight 0) must
+# move the update by at most C/B: a model that hands example e's features
+# to example e+1 moves it by up to 3C/B through the jacobian.
+_B, _HUGE, _CLIP = 8, 3, 0.05
+
+
+def _lag(z):
+  """Each example also receives the previous example's features."""
+  return z + tf.pad(z, [[1, 0], [0, 0]])[:-1]
+
+
+def _fold(model_input, hidden):
+  """[B, T, p] -> [B*T, p] -> Dense -> [B, T, q] (does not mix examples)."""
+  t, p = model_input.shape[1:]
+  flat = tf_keras.layers.Lambda(lambda v: tf.reshape(v, [-1, p]))(model_input)
+  dense = hidden(flat)
+  return tf_keras.layers.Lambda(
+      lambda v: tf.reshape(v, [-1, t, v.shape[-1]]))(dense)
+
+
+class _Siamese(tf_keras.layers.Layer):
+  """A shared tower on concat([a, b], axis=0) (does not mix examples)."""
+
+  def __init__(self):
+    super().__init__()
+    self.tower = tf_keras.layers.Dense(3)
+
+  def call(self, inputs):
+    a, b = inputs
+    both = self.tower(tf.concat([a, b], axis=0))
+    n = tf.shape(a)[0]
+    return tf.abs(both[:n] - both[n:])
+
+
+def _mixing_model(kind, custom):
+  """(model, x builder): the model's inputs for a batch of features."""
+  tf_keras.utils.set_random_seed(7)
+  layers = tf_keras.layers
+  cls = _Custom if custom == "minimize" else (
+      _PerUnit if custom == "minimize_per_unit" else tf_keras.Model)
+  if kind == "fold":
+    inp = tf_keras.Input((2, 4))
+    out = layers.Dense(2)(layers.Flatten()(_fold(inp, layers.Dense(3))))
+    return cls(inp, out), lambda f: f.reshape(-1, 2, 4)
+  if kind == "siamese":
+    a, b = tf_keras.Input((4,)), tf_keras.Input((4,))
+    out = layers.Dense(2)(_Siamese()([a, b]))
+    return cls([a, b], out), lambda f: [f[:, :4], f[:, 4:]]
+  inp = tf_keras.Input((8,))
+  h = layers.Dense(3)(inp)
+  if kind.startswith("lag"):
+    h = layers.Lambda(_lag)(h)
+  if kind == "centring":
+    h = _BatchCentering()(h)
+  if kind == "lag+dropout":
+    # Stateless: the same masks in both runs, also under XLA.
+    h = layers.Dropout(0.5, seed=3, rng_type="stateless")(h)
+  return cls(inp, layers.Dense(2)(h)), lambda f: f
+
+
+_MSE = tf_keras.losses.MeanSquaredError(
+    reduction=tf_keras.losses.Reduction.NONE)
+
+
+class _Custom(tf_keras.Model):
+  """A custom train_step that calls minimize with the tape (jacobian)."""
+
+  def train_step(self, data):
+    x, y, sw = tf_keras.utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+      loss = _MSE(y, self(x, training=True), sample_weight=sw)
+    self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+    return {}
+
+
+class _PerUnit(tf_keras.Model):
+  """A custom train_step that calls minimize_per_unit."""
+
+  def train_step(self, data):
+    x, y, sw = tf_keras.utils.unpack_x_y_sample_weight(data)
+    losses = self.optimizer.minimize_per_unit(
+        lambda b: _MSE(b[1], self(b[0], training=True), sample_weight=b[2]),
+        (x, y, sw), self.trainable_variables)
+    return {"loss": tf.reduce_mean(losses)}
+
+
+def _updates(kind, path, jit, inputs_with, inputs_without, y):
+  """Δw of one fit step on each batch (from the same weights, one traced
+  step), or None if training refused (and no weight moved)."""
+  model, inputs = _mixing_model(kind, path)
+  init = [w.numpy() for w in model.trainable_variables]
+  optimizer = _quiet(dptk.DPSGD, _CLIP, 0.0, learning_rate=1.0)
+  model.compile(optimizer=optimizer, loss=_MSE, jit_compile=jit)
+  updates = []
+  for features, weights in (inputs_with, inputs_without):
+    model.set_weights(init)
+    try:
+      _quiet(model.fit, inputs(features), y, sample_weight=weights,
+             batch_size=_B, shuffle=False, verbose=0)
+    except (RuntimeError, ValueError) as error:
+      assert re.search("refused|cannot evaluate each example alone",
+                       str(error)), error
+      for w, w0 in zip(model.trainable_variables, init):
+        np.testing.assert_array_equal(w.numpy(), w0)  # not even noise: σ = 0
+      return None
+    updates.append([w.numpy() - w0
+                    for w, w0 in zip(model.trainable_variables, init)])
+  return updates
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("path, kind, expected", [
+    ("fit", "lag", "refused"),
+    ("fit", "lag+dropout", "refused"),
+    ("fit", "fold", "bounded"),
+    ("fit", "siamese", "bounded"),
+    ("fit", "centring", "refused"),
+    ("minimize", "lag", "refused"),
+    ("minimize", "lag+dropout", "refused"),
+    ("minimize", "fold", "refused"),
+    ("minimize", "siamese", "refused"),
+    ("minimize", "centring", "refused"),
+    ("minimize_per_unit", "lag", "bounded"),
+    ("minimize_per_unit", "lag+dropout", "bounded"),
+    ("minimize_per_unit", "fold", "bounded"),
+    ("minimize_per_unit", "siamese", "bounded"),
+    ("minimize_per_unit", "centring", "bounded"),
+])
+def test_one_example_moves_the_update_by_at_most_c_or_training_refuses(
+    path, kind, expected, jit):
+  rng = np.random.default_rng(5)
+  features = rng.normal(size=(_B, 8)).astype("float32")
+  features[_HUGE] *= 1e3
+  y = rng.normal(size=(_B, 2)).astype("float32")
+  y[_HUGE] = 1e4
+  weights = np.ones(_B, "float32")
+  zeroed, no_weight = features.copy(), weights.copy()
+  zeroed[_HUGE], no_weight[_HUGE] = 0.0, 0.0
+  updates = _updates(kind, path, jit, (features, weights),
+                     (zeroed, no_weight), y)
+  if expected == "refused":
+    assert updates is None
+    return
+  with_it, without = updates
+  moved = _global_norm([a - b for a, b in zip(with_it, without)])
+  assert 0.5 * _CLIP / _B < moved <= _CLIP / _B * (1 + 1e-5)

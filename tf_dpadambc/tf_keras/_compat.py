@@ -5,8 +5,12 @@ of all its batch normalizations (``BatchNormalizationBase``: the v1 and v2
 layers and ``SyncBatchNormalization`` derive from it), the model on whose
 behalf ``Optimizer.minimize`` is called (``Model.train_step`` passes only the
 loss, the variables and the tape), the graph of a traced train step, and for
-the vectorized path the batch of the stock ``Model.train_step`` and the
-per-output steps of its compiled loss (``LossesContainer.__call__``).
+the per-unit path the batch of the stock ``Model.train_step`` and the
+per-output steps of its compiled loss (``LossesContainer.__call__``), the
+ops a traced per-unit evaluation created (variable writes, random draws, in
+nested functions too), and the model's ``make_train_function`` /
+``_validate_and_get_metrics_result``, through which the host reads a
+refusal after a compiled step.
 ``tests/test_tf_keras.py`` fails loudly if a tf_keras release breaks any of them.
 """
 import collections
@@ -23,11 +27,10 @@ except ImportError:  # a release that moved it: the public classes still work
   _TFKerasBatchNorm = (tf_keras.layers.BatchNormalization,
                        tf_keras.layers.experimental.SyncBatchNormalization)
 try:  # pylint: disable=g-import-not-at-top
-  from tf_keras.src.engine import base_layer as _base_layer
   from tf_keras.src.engine import compile_utils as _compile_utils
   from tf_keras.src.utils import losses_utils as _losses_utils
-except ImportError:  # a release that moved them: the jacobian path only
-  _base_layer = _compile_utils = _losses_utils = None
+except ImportError:  # a release that moved them: no per-unit fit path
+  _compile_utils = _losses_utils = None
 
 # Layers whose output for one example depends on the other examples of the
 # batch (and whose moving statistics learn from the data without noise).
@@ -143,11 +146,13 @@ def stock_train_step(optimizer, loss, tape):
                    found.get("sample_weight")), None
 
 
-def single_loss(model, y, sample_weight):
+def compiled_loss_fn(model, y, sample_weight):
   """``(loss_fn, None)``: ``loss_fn(y, y_pred, sample_weight)`` is the
-  per-example loss the model's compiled loss returns, or ``(None, reason)``.
+  per-example loss vector the model's compiled loss returns, or
+  ``(None, reason)``.
 
-  Supported: one output, one loss object with ``reduction=NONE``, no
+  Supported: the stock ``LossesContainer``, every loss with
+  ``reduction=NONE`` (one output or several, with loss weights), no
   regularization losses (tf_keras cannot add them to a loss vector anyway).
   ``loss_fn`` repeats ``LossesContainer.__call__`` for that case, without its
   metric updates; the caller checks that its values match.
@@ -158,37 +163,204 @@ def single_loss(model, y, sample_weight):
     return None, "no stock compiled loss"
   losses = getattr(container, "_losses", None)
   weights = getattr(container, "_loss_weights", None)
-  if (not getattr(container, "_built", False) or not isinstance(losses, list)
-      or len(losses) != 1 or losses[0] is None or len(weights or [None]) != 1):
-    return None, "not exactly one compiled loss"
-  if tf.nest.is_nested(y) or tf.nest.is_nested(sample_weight) or isinstance(
-      y, tf.RaggedTensor):
-    return None, "nested or ragged targets or sample weights"
+  if not getattr(container, "_built", False) or not isinstance(losses, list):
+    return None, "the compiled loss is not built"
+  weights = list(weights) if isinstance(weights, (list, tuple)) else (
+      [weights] * len(losses))
+  if len(weights) != len(losses) or all(obj is None for obj in losses):
+    return None, "no compiled loss"
+  leaves = tf.nest.flatten(y) + (
+      [] if sample_weight is None else tf.nest.flatten(sample_weight))
+  if any(t is None or isinstance(t, tf.RaggedTensor) for t in leaves):
+    return None, "missing or ragged targets or sample weights"
   if model.losses:
     return None, "regularization losses"
-  loss_obj, loss_weight = losses[0], (weights or [None])[0]
-  if getattr(loss_obj, "reduction", None) != (
-      tf_keras.losses.Reduction.NONE):
+  if any(obj is not None and getattr(obj, "reduction", None) != (
+      tf_keras.losses.Reduction.NONE) for obj in losses):
     return None, "the compiled loss is reduced"
 
-  def loss_fn(y_t, y_p, sw):
-    y_t, y_p, sw = _compile_utils.match_dtype_and_rank(y_t, y_p, sw)
-    sw = _losses_utils.apply_mask(y_p, sw, _losses_utils.get_mask(y_p))
-    value = loss_obj(y_t, y_p, sample_weight=sw)
-    return value if loss_weight is None else value * loss_weight
+  def loss_fn(y_true, y_pred, sw):
+    y_true = container._conform_to_outputs(y_pred, y_true)  # pylint: disable=protected-access
+    sw = container._conform_to_outputs(y_pred, sw)  # pylint: disable=protected-access
+    values = []
+    for y_t, y_p, s, obj, weight in zip(
+        tf.nest.flatten(y_true), tf.nest.flatten(y_pred),
+        tf.nest.flatten(sw), losses, weights):
+      if y_t is None or obj is None:
+        continue
+      y_t, y_p, s = _compile_utils.match_dtype_and_rank(y_t, y_p, s)
+      s = _losses_utils.apply_mask(y_p, s, _losses_utils.get_mask(y_p))
+      value = obj(y_t, y_p, sample_weight=s)
+      values.append(value if weight is None else value * weight)
+    return tf.add_n(_losses_utils.cast_losses_to_common_dtype(values))
   return loss_fn, None
 
 
-def stochastic_layer(model):
-  """A layer that draws random numbers in training (dropout, noise), or None.
+# -------------------------------------------- guards of per-unit evaluation
+# Ops that write a variable. tf.vectorized_map does not keep the units apart
+# through a variable (one unit's write is read by the others), and a layer
+# that writes data into its state between steps leaks it without noise.
+_WRITES = frozenset({
+    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+    "ResourceStridedSliceAssign", "Assign", "AssignAdd", "AssignSub",
+    "ScatterUpdate", "ScatterAdd", "ScatterSub", "ScatterMul", "ScatterDiv",
+    "ScatterMin", "ScatterMax", "ScatterNdUpdate", "ScatterNdAdd",
+    "ScatterNdSub", "ScatterNdMin", "ScatterNdMax"})
+# Ops that draw random numbers (stateful, stateless, generator-based).
+_RANDOM_MARKS = ("Random", "Rng", "Multinomial", "TruncatedNormal",
+                 "StatefulUniform", "StatefulStandardNormal")
 
-  Evaluated per unit it would draw other values than in the batch.
-  """
-  random_layers = (_base_layer.BaseRandomLayer,) if _base_layer else ()
-  for layer in all_layers(model):
-    if isinstance(layer, random_layers) or (
-        isinstance(layer, keras.layers.Layer)
-        and any(isinstance(v, keras.random.SeedGenerator)
-                for v in vars(layer).values())):
-      return layer
+
+def _writes_variable(op_type):
+  """True for an op type that writes a variable (or a function this graph
+  cannot look into: "<unknown>", counted as one)."""
+  return op_type in _WRITES or op_type == "<unknown>" or op_type.startswith(
+      ("ResourceScatter", "ResourceApply", "ResourceSparseApply"))
+
+
+def _called_functions(attrs):
+  """Names of the functions a node's attributes name (calls, loop bodies,
+  branches)."""
+  names = []
+  for value in attrs.values():
+    if value.HasField("func"):
+      names.append(value.func.name)
+    elif value.HasField("list"):
+      names += [f.name for f in value.list.func]
+  return names
+
+
+def _function_ops(graph, attrs):
+  """Op types inside the functions a node calls, recursively (from their
+  FunctionDefs); "<unknown>" for a function this graph cannot find."""
+  names, seen, types = _called_functions(attrs), set(), []
+  while names:
+    name = names.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    function, g = None, graph
+    while g is not None and function is None:
+      function = g._get_function(name)  # pylint: disable=protected-access
+      g = getattr(g, "outer_graph", None)
+    definition = getattr(function, "cached_definition",
+                         getattr(function, "definition", None))
+    if definition is None:
+      types.append("<unknown>")
+      continue
+    for node in definition.node_def:
+      types.append(node.op)
+      names += _called_functions(node.attr)
+  return types
+
+
+def _resolve_handle(tensor):
+  """The eager resource handle a captured graph tensor stands for, or None."""
+  for _ in range(32):
+    if not tf.is_symbolic_tensor(tensor):
+      return tensor
+    external = None
+    for ext, internal in tensor.graph.captures:
+      if internal is tensor:
+        external = ext
+        break
+    if external is None:
+      return None
+    tensor = external
   return None
+
+
+def _seed_state_handles(model):
+  """Handles of the keras.random.SeedGenerator states of a model's Keras 3
+  layers: their writes advance data-independent randomness."""
+  handles = []
+  for layer in all_layers(model):
+    if isinstance(layer, keras.layers.Layer):
+      for value in vars(layer).values():
+        if isinstance(value, keras.random.SeedGenerator):
+          handles.append(getattr(value.state.value, "handle", None))
+  return [h for h in handles if h is not None]
+
+
+def state_writes(ops, model):
+  """Names of the ops among ``ops`` (and the functions they call) that write
+  a variable, other than the random state of a Keras 3 SeedGenerator."""
+  seeds = _seed_state_handles(model) if model is not None else []
+  found = []
+  for op in ops:
+    if _writes_variable(op.type):
+      handle = _resolve_handle(op.inputs[0]) if op.inputs else None
+      if handle is not None and any(handle is s for s in seeds):
+        continue
+      found.append(op.name)
+    elif any(_writes_variable(t) for t in _function_ops(op.graph,
+                                                        op.node_def.attr)):
+      found.append(op.name)
+  return found
+
+
+def draws_random(ops):
+  """True if ``ops`` (or the functions they call) draw random numbers."""
+  for op in ops:
+    for op_type in [op.type] + _function_ops(op.graph, op.node_def.attr):
+      if any(mark in op_type for mark in _RANDOM_MARKS):
+        return True
+  return False
+
+
+# ------------------------------------------ the host's check after a step
+_HOST_CHECK = "_tf_dpadambc_host_check"
+
+
+def install_host_check(model, check):
+  """Makes the host call ``check()`` around every call of
+  ``model.train_function`` and before each epoch's metrics are read.
+
+  A refused step happens inside a compiled function, where no Python (and,
+  under XLA, no assert op) runs: the step records the refusal in a variable
+  and ``check`` reads it and raises. Installed while ``fit`` traces its
+  first call, whose own refusal the next call (or the end of the epoch:
+  ``_validate_and_get_metrics_result``) reports.
+  """
+  object.__setattr__(model, _HOST_CHECK, check)
+  if getattr(model, "_tf_dpadambc_hooked", False):
+    return
+  object.__setattr__(model, "_tf_dpadambc_hooked", True)
+
+  def run_check():
+    getattr(model, _HOST_CHECK)()
+
+  def wrap(function):
+    if function is None or getattr(function, "_tf_dpadambc_checked", False):
+      return function
+
+    first = [True]
+
+    def checked(*args, **kwargs):
+      if first[0]:  # the traced call that installed this check
+        run_check()
+        first[0] = False
+      outputs = function(*args, **kwargs)
+      run_check()
+      return outputs
+    checked._tf_dpadambc_checked = True  # pylint: disable=protected-access
+    checked.wrapped = function
+    return checked
+
+  make = model.make_train_function
+
+  def make_train_function(force=False):
+    function = wrap(make(force))
+    object.__setattr__(model, "train_function", function)
+    return function
+
+  validate = model._validate_and_get_metrics_result  # pylint: disable=protected-access
+
+  def validate_and_get_metrics_result(logs):
+    run_check()
+    return validate(logs)
+
+  object.__setattr__(model, "make_train_function", make_train_function)
+  object.__setattr__(model, "_validate_and_get_metrics_result",
+                     validate_and_get_metrics_result)
+  object.__setattr__(model, "train_function", wrap(model.train_function))

@@ -4,30 +4,42 @@ Each class here is a ``tf_keras.optimizers.Optimizer`` that drives one of our
 Keras 3 optimizers (:class:`tf_dpadambc.keras.optimizers.base.DPOptimizer`,
 the *inner* optimizer): the inner optimizer holds every variable and every
 formula (noise, moments, Φ, accounting); the adapter only turns tf_keras'
-``minimize(loss, var_list, tape)`` into a clipped sum, as TF-Privacy's
-``DPKeras*Optimizer`` do:
+``minimize(loss, var_list, tape)`` into a clipped sum:
 
 1. ``loss`` is the per-example loss vector [B] that tf_keras' ``train_step``
    passes when the compiled loss has ``reduction=NONE`` (a scalar is refused);
 2. units: examples, or M microbatches (the mean loss of B/M examples each);
-3. per-unit gradients: when ``fit`` runs the stock ``Model.train_step``
-   (traced) with one per-example compiled loss and no stochastic layer,
-   ``tf.vectorized_map`` over units of ``model(x_u, training=True)`` and that
-   loss (x, y, sample_weight taken from the ``train_step`` frame), checked
-   every step: if a unit's loss differs from the batch's, examples mix and
-   the step fails before any update; in any other case the reference
-   ``tape.jacobian(unit_losses, var_list)``;
+3. per-unit gradients by *per-unit evaluation*: each unit's loss is computed
+   from that unit's examples alone (``tf.vectorized_map`` over units; where an
+   op cannot be vectorized, ``tf.map_fn``), so its gradient depends on its
+   own examples only, whatever the model does across a batch. ``fit`` with
+   tf_keras' stock ``Model.train_step`` gets it automatically (x, y,
+   sample_weight and the compiled loss are taken from the ``train_step``
+   frame); custom train steps and loops call :meth:`minimize_per_unit`;
 4. ``inner.apply_per_unit(per_unit_grads, units, B, var_list)``: clipped and
    summed by ``core.clipping.materialized_clipped_sum`` under the inner
    optimizer's ``clip_spec``, then ``apply_private``: noise N(0, σ²C²) once
    per logical step, ḡ = (Σ_u clip_C(g_u) + noise)/units, the update.
 
-Cost: the jacobian back-propagates through the whole batch once per unit,
-O(U·B) work (as TF-Privacy's vectorized optimizers); the vectorized path runs
-one forward and backward per unit, O(B). TF-Privacy's tutorial CNN, batch
-250, 2 CPU cores: 250 microbatches 0.27 s/step vectorized vs 9.7 s jacobian,
-25 microbatches 0.085 s vs 0.80 s (``per_unit_plan`` says which path a step
-takes and why; ``vectorize = False`` forces the jacobian).
+The jacobian of the batch's loss vector (TF-Privacy's method) is a set of
+per-example gradients only if no layer mixes the examples of the batch (batch
+statistics, another example's features, ...), which cannot be checked: it is
+refused unless the optimizer is built with ``assume_examples_independent=True``
+(an explicit opt-out that removes the privacy guarantee for models that mix).
+
+``fit``'s per-unit evaluation is also checked every step against the losses
+tf_keras recorded (in inference mode when the model draws random numbers): a
+mismatch means the model mixes examples, so per-unit gradients are not the
+gradients of the loss being trained. The check acts through the data flow: a
+failed check zeroes the step's clipped sum (the step releases noise only) and
+counts the refusal in a variable, which the host reads after the step to
+raise (no assert op, which XLA would drop).
+
+Cost: per-unit evaluation runs one forward and backward pass per unit,
+vectorized, O(B); the jacobian back-propagates through the whole batch once
+per unit, O(U·B). TF-Privacy's tutorial CNN, batch 250, 2 CPU cores: 250
+microbatches 0.27 s/step vectorized vs 9.7 s jacobian, 25 microbatches
+0.085 s vs 0.80 s (``per_unit_plan`` says how a step was computed).
 
 ``apply_gradients`` raises: aggregated gradients were neither clipped per
 example nor noised. Classes are generated from the Keras 3 classes (one per
@@ -35,9 +47,12 @@ class, same name and arguments); ``DPKerasSGDOptimizer``,
 ``DPKerasAdamOptimizer`` and ``DPKerasAdagradOptimizer`` take TF-Privacy's
 constructor signature.
 """
+import logging
+
 import tensorflow as tf
 import tf_keras
 
+from tf_dpadambc.core import clipping
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import optimizers as keras3_optimizers
 from tf_dpadambc.keras.optimizers import base
@@ -53,8 +68,9 @@ _AGGREGATED_GRADIENTS_ERROR = (
     "    loss = tf.keras.losses.CategoricalCrossentropy(\n"
     "        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)\n"
     "    model.compile(optimizer={name}(...), loss=loss)\n\n"
-    "or, in a custom loop, call `optimizer.minimize(per_example_losses, "
-    "var_list, tape=tape)` with the loss vector recorded on `tape`. "
+    "or, in a custom train step or loop, call `optimizer.minimize_per_unit("
+    "loss_fn, (x, y), var_list)` with `loss_fn((x, y))` returning the "
+    "per-example losses of a batch. "
     "(Mixed-precision loss scaling wraps the optimizer and calls "
     "`apply_gradients`: it is not supported.)")
 
@@ -75,18 +91,51 @@ _CROSS_EXAMPLE_ERROR = (
     "GroupNormalization (per-example normalizations).")
 
 _MIXING_ERROR = (
-    "tf_dpadambc: the per-example forward passes did not reproduce the "
-    "losses of the batch: a layer mixes the examples of the batch (e.g. it "
-    "uses batch statistics), or draws random values Keras does not track. The "
-    "per-example gradients of such a model are not bounded by clipping, so "
-    "this step was refused before any update. Remove or fix that layer. If "
-    "it does not mix examples (only untracked randomness), set "
-    "optimizer.vectorize = False to use the jacobian path.")
+    "tf_dpadambc: {count} training step(s) refused. Evaluated on each example "
+    "(or microbatch) alone, the model did not give the losses it gave on the "
+    "whole batch{mode}: a layer mixes the examples of a batch (batch "
+    "statistics, features of other examples, ...), or draws random numbers "
+    "in inference mode or outside tf.random/Keras layers. Per-example "
+    "gradients are then not the gradients of the loss being trained. Those "
+    "steps released noise only (their clipped sums were zeroed), so privacy "
+    "holds, but the model did not learn: remove or fix that layer. (A custom "
+    "train step may call optimizer.minimize_per_unit(loss_fn, data, "
+    "var_list), which trains each example's loss evaluated alone, without "
+    "this comparison.)")
 
-# Relative agreement required between the vectorized path's unit losses and
-# tf_keras' batched ones: per-example and batched kernels may round
-# differently (equal on CPU; TF32 on GPUs rounds inputs to ~5e-4), while a
-# layer mixing examples or drawing other random values moves them far more.
+_JACOBIAN_ERROR = (
+    "tf_dpadambc: {name}.minimize cannot evaluate each example alone here "
+    "({why}). The only other way, the jacobian of the batch's loss vector "
+    "(TF-Privacy's), yields per-example gradients only if no layer mixes the "
+    "examples of a batch (batch statistics, another example's features, "
+    "...): nothing checks that, and one example's influence would then not "
+    "be bounded by clipping, so it is refused. Either\n"
+    "  * train with model.fit and tf_keras' own train_step (no custom "
+    "train_step, compute_loss or __call__ override; compiled loss with "
+    "reduction=NONE), or\n"
+    "  * in a custom train step or loop, call\n"
+    "      optimizer.minimize_per_unit(loss_fn, (x, y), var_list)\n"
+    "    with loss_fn((x, y)) returning the per-example losses of a batch: "
+    "each example (or microbatch) is evaluated alone, exact for any model, "
+    "or\n"
+    "  * if you are certain that every example's loss depends on that "
+    "example alone, build the optimizer with assume_examples_independent="
+    "True. That removes the differential-privacy guarantee for any model "
+    "that does mix examples.")
+
+_STATE_ERROR = (
+    "tf_dpadambc: the model writes variables during its forward pass "
+    "({ops}). Evaluated per example, the examples would share that state, and "
+    "state written from the data between steps is released without noise: "
+    "differentially private training cannot use such a layer (for batch "
+    "normalization use LayerNormalization or GroupNormalization). Remove "
+    "the write or the layer. (In minimize_per_unit's loss_fn, use a loss "
+    "object, not model.compiled_loss: it updates metric variables.)")
+
+# Relative agreement required between per-unit losses and tf_keras' batched
+# ones: per-example and batched kernels may round differently (equal on CPU;
+# TF32 on GPUs rounds inputs to ~5e-4), while a layer mixing examples or
+# drawing other random values moves them far more.
 _AGREEMENT_TOL = 1e-3
 
 # What the accounting, the callbacks and users read from the inner optimizer.
@@ -104,33 +153,45 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
   """A tf_keras optimizer that drives one of our Keras 3 DP optimizers.
 
   Use the generated classes (``tf_dpadambc.tf_keras.DPAdamBC(...)``, same
-  arguments as the Keras 3 class) or :meth:`wrap` an existing Keras 3
-  optimizer. The model must be compiled with a per-example loss
-  (``reduction=NONE``): tf_keras' ``train_step`` then passes the loss vector
-  and its tape to :meth:`minimize`, which clips each unit's gradient
-  (example, or microbatch with ``num_microbatches``) and hands the clipped sum
-  to the inner optimizer. The noise, the update and the accounting are the
-  inner optimizer's: ḡ = (Σ_u clip_C(g_u) + N(0, σ²C² I)) / U with U units
-  (TF-Privacy's semantics: noise σC on the sum of clipped microbatch means,
-  divided by the number of microbatches).
+  arguments as the Keras 3 class, plus ``assume_examples_independent``) or
+  :meth:`wrap` an existing Keras 3 optimizer. The model must be compiled
+  with a per-example loss (``reduction=NONE``): tf_keras' ``train_step``
+  then passes the loss vector and its tape to :meth:`minimize`, which clips
+  each unit's gradient (example, or microbatch with ``num_microbatches``)
+  and hands the clipped sum to the inner optimizer. The noise, the update
+  and the accounting are the inner optimizer's: ḡ = (Σ_u clip_C(g_u) +
+  N(0, σ²C² I)) / U with U units (TF-Privacy's semantics: noise σC on the
+  sum of clipped microbatch means, divided by the number of microbatches).
 
-  Per-unit gradients come from ``tf.vectorized_map`` over units when the
-  stock ``train_step`` calls ``minimize`` (see :meth:`_per_unit_gradients`),
-  else from the jacobian of the batch's unit losses.
+  Per-unit gradients come from per-unit evaluation (each unit's loss from
+  its own examples alone, see :meth:`_per_unit_gradients`): by
+  construction, one example moves only its own unit's gradient, which
+  clipping bounds. ``fit`` with tf_keras' stock ``train_step`` (also with
+  ``jit_compile=True``, ``run_eagerly=True``, dropout or other random
+  layers) gets it automatically; custom train steps and loops call
+  :meth:`minimize_per_unit`. :meth:`minimize` called any other way (a custom
+  ``train_step``, a callable loss, ``vectorize = False``) would need the
+  jacobian of the batch's loss vector, which is per-example only if the
+  model never mixes examples: it raises ``ValueError`` unless the optimizer
+  was built with ``assume_examples_independent=True``, an explicit opt-out
+  that removes the privacy guarantee for models that do mix examples.
+
+  ``fit``'s per-unit losses are compared every step with the losses tf_keras
+  recorded on the batch (both in inference mode when the model draws random
+  numbers). A mismatch (a layer mixes examples: lag features, batch
+  centring, ...) zeroes that step's clipped sum, so the step releases noise
+  only, and counts it in :attr:`refused_steps`; the host then raises
+  ``RuntimeError`` (after that step's call of the train function, or at the
+  end of its epoch; in eager mode at once). No assert op is involved: it
+  works under XLA. A model that writes variables in its forward pass is
+  refused (``ValueError``) when the step is traced.
 
   Models with batch normalization are refused at the first step: the
   adapter looks for the model that calls ``minimize`` on the Python stack
   (``self`` in ``Model.train_step``, or a local model that is compiled with
   this optimizer or owns the variables being trained) and checks its layers;
   inside a traced step it also refuses any fused batch normalization in
-  training mode found in the graph of the loss. Limits: a layer that mixes
-  examples in another way (a custom layer normalizing over the batch axis,
-  attention across examples) is not detected, and a model that is not
-  reachable from the caller's frames is not checked. On the fast path such
-  mixing is caught every step (the per-example losses differ from the
-  batch's) and the step fails before any update; on the jacobian path each
-  unit's jacobian row is its gradient only if its loss depends on its own
-  examples alone.
+  training mode found in the graph of the loss.
 
   Not supported (they raise): ``apply_gradients`` (aggregated gradients),
   mixed-precision loss scaling (it calls ``apply_gradients``), and
@@ -144,19 +205,20 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
 
   # The Keras 3 class the generated subclasses construct.
   keras3_class = None
-  # False: always the reference jacobian path (set on an instance to compare).
+  # False: the jacobian path (only with assume_examples_independent=True).
   vectorize = True
 
-  def __init__(self, *args, **kwargs):
+  def __init__(self, *args, assume_examples_independent=False, **kwargs):
     if self.keras3_class is None:
       raise TypeError(
           "TFKerasDPOptimizer is abstract: use one of the classes of "
           "tf_dpadambc.tf_keras (DPSGD, DPAdamBC, ...) or "
           "TFKerasDPOptimizer.wrap(keras3_optimizer).")
-    self._init_from(self.keras3_class(*args, **kwargs))
+    self._init_from(self.keras3_class(*args, **kwargs),
+                    assume_examples_independent)
 
   @classmethod
-  def wrap(cls, optimizer):
+  def wrap(cls, optimizer, assume_examples_independent=False):
     """A tf_keras optimizer driving an existing Keras 3 ``DPOptimizer``."""
     if not isinstance(optimizer, base.DPOptimizer):
       raise TypeError(
@@ -167,10 +229,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
       raise TypeError(f"{cls.__name__} wraps {cls.keras3_class.__name__}; "
                       f"got {type(optimizer).__name__}.")
     self = cls.__new__(cls)
-    self._init_from(optimizer)  # pylint: disable=protected-access
+    self._init_from(optimizer, assume_examples_independent)  # pylint: disable=protected-access
     return self
 
-  def _init_from(self, inner):
+  def _init_from(self, inner, assume_examples_independent=False):
     # The tf_keras base only gets a name: every hyper-parameter (weight
     # decay, EMA, gradient clipping) belongs to the inner optimizer.
     super().__init__(name=inner.name)
@@ -178,7 +240,13 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     # accumulation) are not noised yet and must not be written to files.
     # The rest of its state is tracked through `_variables` (see build).
     self._inner = self._no_dependency(inner)
+    if not isinstance(assume_examples_independent, bool):
+      raise TypeError("assume_examples_independent must be True or False.")
+    self.assume_examples_independent = assume_examples_independent
     self._plan = None
+    self._check_mode = "training"
+    self._reported_refusals = 0
+    self._eager_cache = None
     if inner.built:
       self._track_inner_state()
 
@@ -240,6 +308,12 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
   def minimize(self, loss, var_list, tape=None):
     """One private step from per-example losses.
 
+    Exact (each unit evaluated alone) when tf_keras' stock
+    ``Model.train_step`` calls it; called any other way it needs the
+    jacobian of ``loss`` and raises ``ValueError`` unless the optimizer was
+    built with ``assume_examples_independent=True`` (custom train steps:
+    use :meth:`minimize_per_unit`).
+
     Args:
       loss: the per-example loss, a tensor [B] (or [B, ...], averaged over
         the other axes) recorded on ``tape``; or a callable returning it.
@@ -264,34 +338,101 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     if loss.shape.rank == 0:
       raise ValueError(_SCALAR_LOSS_ERROR.format(name=name))
     self._check_model(var_list, loss)
+    self._check_replicas()
+    self.build(var_list)
+
+    with tape:  # the reduction to units must be on the tape too
+      examples = _example_losses(loss)
+      unit_losses = self._unit_losses(examples)
+    per_unit, keep = self._per_unit_gradients(loss, tape, unit_losses,
+                                              var_list)
+    num_units = tf.shape(unit_losses)[0]
+    # A refused step (keep False) adds exactly zero: noise only is released.
+    mask = None if keep is None else tf.fill([num_units], keep)
+    # Clipped with the inner clip_spec (or fed to its DPQuery), then noised.
+    self._inner.apply_per_unit(per_unit, num_units, tf.shape(examples)[0],
+                               var_list, unit_mask=mask)
+    if keep is not None and tf.executing_eagerly():
+      self._raise_if_refused()
+
+  def minimize_per_unit(self, loss_fn, data, var_list):
+    """One private step, each unit's loss evaluated on its examples alone.
+
+    For custom train steps and loops (``minimize`` with a tape is refused
+    there): ::
+
+        def train_step(self, data):
+          x, y = data
+          losses = self.optimizer.minimize_per_unit(
+              lambda batch: loss_object(batch[1], self(batch[0],
+                                                       training=True)),
+              (x, y), self.trainable_variables)
+          return {"loss": tf.reduce_mean(losses)}
+
+    ``loss_fn(batch)`` returns the losses of ``batch``, a structure like
+    ``data`` (tensors with the batch on axis 0, None kept): per example
+    ([b] or [b, ...]) or their mean; a unit's loss is the mean of what it
+    returns. Use a loss object, not ``compiled_loss`` (which updates metric
+    variables: refused). It is called on each unit (one example, or one
+    microbatch of B/M examples) alone, vectorized over units
+    (``tf.map_fn`` where TensorFlow cannot vectorize an op), in a
+    ``tf.function`` when called eagerly: each unit's gradient depends on its
+    own examples only, whatever the model does across a batch, so clipping
+    bounds every example's influence. Random layers draw their values
+    independently of the data: still exact. A model that writes variables
+    in its forward pass is refused (``ValueError``).
+
+    Returns the [U] unit losses (means over each unit's examples).
+    """
+    if callable(var_list):
+      var_list = var_list()
+    var_list = list(var_list)
+    self._check_model(var_list, None)
+    self._check_replicas()
+    self.build(var_list)
+    model = _compat.calling_model(self, var_list)
+    num_microbatches = self._inner.num_microbatches
+    first = tf.nest.flatten(data)[0]
+    num_examples = tf.shape(first)[0]
+
+    def compute(batch):
+      grads, losses, _, how = self._map_units(
+          lambda unit: tf.reduce_mean(loss_fn(unit)), var_list, batch,
+          num_microbatches, model)
+      self._plan = f"{how} (minimize_per_unit)"
+      return grads, losses
+
+    if tf.executing_eagerly():
+      compute = self._eager_function(
+          ("minimize_per_unit", loss_fn, num_microbatches, *var_list),
+          compute)
+    grads, losses = compute(data)
+    self._inner.apply_per_unit(grads, tf.shape(losses)[0], num_examples,
+                               var_list)
+    return losses
+
+  def _check_replicas(self):
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     if replicas > 1:
       # Each replica would add its own noise and divide by its own batch.
       raise NotImplementedError(
           f"Private training under a tf.distribute strategy with {replicas} "
           "replicas is not supported: train on one device.")
-    self.build(var_list)
-
-    with tape:  # the reduction to units must be on the tape too
-      examples = _example_losses(loss)
-      unit_losses = self._unit_losses(examples)
-    per_unit = self._per_unit_gradients(loss, tape, unit_losses, var_list)
-    # Clipped with the inner clip_spec (or fed to its DPQuery), then noised.
-    self._inner.apply_per_unit(per_unit, tf.shape(unit_losses)[0],
-                               tf.shape(examples)[0], var_list)
 
   def _unit_losses(self, examples):
     """[B] per-example losses -> [U] unit losses (microbatch means)."""
     m = self._inner.num_microbatches
     if m is not None and examples.shape[0] is None:
-      # fit's batch size is not static; the last batch may be partial.
+      # fit's batch size is not static; the last batch may be partial. (Not
+      # a privacy check: the reshape into units fails on such a batch
+      # anyway; this says why.)
       check = tf.debugging.assert_equal(
           tf.shape(examples)[0] % m, 0, message=(
               f"num_microbatches={m} does not divide this batch's size: use "
               "batch sizes that are multiples of num_microbatches and drop "
               "the last partial batch (e.g. N a multiple of batch_size, or "
               "tf.data's batch(..., drop_remainder=True))."))
-      # Before any reshape of the batch (here or in the vectorized path).
+      # Before any reshape of the batch (here or in the per-unit path).
       with tf.control_dependencies([check]):
         examples = tf.identity(examples)
     return tf.reduce_mean(per_example.split_microbatches(examples, m), axis=1)
@@ -299,103 +440,220 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
   # ------------------------------------------------ per-unit gradients
   @property
   def per_unit_plan(self):
-    """How the last traced step computes per-unit gradients: "vectorized"
-    (checked every step, see :meth:`_per_unit_gradients`) or "jacobian: "
-    and why the vectorized path does not apply."""
+    """How the last traced step computed per-unit gradients: each unit
+    evaluated alone, "vectorized" (or "vectorized, some ops looped", "loop"
+    where TensorFlow cannot vectorize an op; ", checked in inference mode"
+    for a model that draws random numbers; " (minimize_per_unit)"), or
+    "jacobian: " and why per-unit evaluation was not possible (only with
+    ``assume_examples_independent=True``)."""
     return self._plan
 
   @property
   def vectorized_steps(self):
-    """Physical steps whose per-unit gradients came from the vectorized path
-    (the others used the jacobian)."""
+    """Physical ``fit`` steps whose per-unit gradients came from per-unit
+    evaluation (vectorized or looped) of the stock ``train_step``."""
     counter = getattr(self, "_vectorized_steps", None)
     return 0 if counter is None else int(counter.numpy())
 
+  @property
+  def refused_steps(self):
+    """Physical steps refused by the per-unit check (noise only released)."""
+    counter = getattr(self, "_refused_steps", None)
+    return 0 if counter is None else int(counter.numpy())
+
+  def _raise_if_refused(self):
+    """Raises (on the host) if steps were refused since the last report."""
+    count = self.refused_steps
+    if count > self._reported_refusals:
+      self._reported_refusals = count
+      mode = (" (compared in inference mode, training=False, as the model "
+              "draws random numbers)" if self._check_mode == "inference"
+              else "")
+      raise RuntimeError(_MIXING_ERROR.format(count=count, mode=mode))
+
   def _per_unit_gradients(self, loss, tape, unit_losses, var_list):
-    """[U, ...] gradients of ``unit_losses`` w.r.t. ``var_list``.
+    """``([U, ...] gradients, keep)`` of ``unit_losses`` w.r.t. ``var_list``.
 
-    Reference: ``tape.jacobian`` of the batch's unit losses (any caller; it
-    back-propagates through the whole batch once per unit). Fast path, for a
-    traced stock ``Model.train_step`` with one per-example compiled loss and
-    no stochastic layer: ``tf.vectorized_map`` over units of
-    ``model(x_u, training=True)`` and the compiled loss (forward and backward
-    of one unit each). Each unit's gradient then depends on its own examples
-    only, and is used only if that function is the one tf_keras recorded:
-    its unit losses must match ``unit_losses`` (all units, this step).
-    Otherwise a layer mixes examples (or draws untracked randomness): the
-    jacobian rows would not be per-example gradients either, so the step
-    fails with an error before any update.
+    Per-unit evaluation, for ``minimize`` called by tf_keras' stock
+    ``Model.train_step`` (traced or eager) with a compiled loss of
+    ``reduction=NONE``: each unit's loss is ``loss(y_u, model(x_u,
+    training=True), sample_weight_u)`` of its own examples, evaluated alone
+    by :meth:`_map_units`, and its gradient taken there. One example then
+    changes only its own unit's gradient: clipping bounds its influence, by
+    construction. ``keep`` (a scalar bool tensor) says whether those losses
+    match the ones tf_keras recorded on the whole batch, ``unit_losses``
+    (for a model that draws random numbers, whose per-unit draws differ from
+    the batch's: both in inference mode); if not, examples mix, the gradients
+    are not those of the trained loss, and the caller zeroes the step.
+
+    Otherwise (custom ``train_step``, callable loss, ``compute_loss``
+    override, ``vectorize = False``, ...) the jacobian of ``unit_losses``
+    (``keep`` None), only with ``assume_examples_independent=True``: else
+    ``ValueError``.
     """
-    def jacobian():
-      return tape.jacobian(
-          unit_losses, var_list, experimental_use_pfor=True,
-          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    fast, why = self._stock_step_per_unit(loss, tape, unit_losses, var_list)
+    if fast is not None:
+      return fast
+    if not self.assume_examples_independent:
+      raise ValueError(_JACOBIAN_ERROR.format(name=type(self).__name__,
+                                              why=why))
+    self._plan = f"jacobian: {why} (assume_examples_independent=True)"
+    return tape.jacobian(
+        unit_losses, var_list, experimental_use_pfor=True,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO), None
 
-    fast, self._plan = self._vectorized(loss, tape, unit_losses, var_list)
-    if fast is None:
-      return jacobian()
-    grads, losses = fast
-    agree = tf.reduce_all(tf.abs(losses - unit_losses) <= _AGREEMENT_TOL * (
-        1.0 + tf.abs(unit_losses)))
-
-    checked = tf.debugging.Assert(agree, [_MIXING_ERROR])
-    with tf.control_dependencies([checked,
-                                  self._vectorized_steps.assign_add(1)]):
-      return [tf.identity(g) for g in grads]
-
-  def _vectorized(self, loss, tape, unit_losses, var_list):
-    """``((grads, unit losses), "vectorized")`` or ``(None, "jacobian: why")``.
-    """
+  def _stock_step_per_unit(self, loss, tape, unit_losses, var_list):
+    """``((grads, keep), None)`` by per-unit evaluation of the stock
+    ``train_step``'s batch, or ``(None, why not)``."""
     if not self.vectorize:
-      return None, "jacobian: vectorize=False"
-    if tf.executing_eagerly():
-      return None, "jacobian: eager step (run_eagerly=True)"
+      return None, "vectorize=False"
     step, why = _compat.stock_train_step(self, loss, tape)
     loss_fn = None
     if step is not None:
-      loss_fn, why = _compat.single_loss(step.model, step.y,
-                                         step.sample_weight)
+      loss_fn, why = _compat.compiled_loss_fn(step.model, step.y,
+                                              step.sample_weight)
     if loss_fn is not None and {id(v) for v in var_list} != {
         id(v) for v in step.model.trainable_variables}:
       loss_fn, why = None, "var_list is not the model's trainable variables"
-    if loss_fn is not None:
-      layer = _compat.stochastic_layer(step.model)
-      if layer is not None:
-        # Per-unit calls would draw other masks than the recorded batch: the
-        # check would fail every step (and cost both paths).
-        loss_fn, why = None, f"stochastic layer '{layer.name}'"
     if loss_fn is None:
-      return None, f"jacobian: {why}"
+      return None, why
 
+    model = step.model
     data = {"x": step.x, "y": step.y}
     if step.sample_weight is not None:
       data["sample_weight"] = step.sample_weight
-    with tf.control_dependencies([unit_losses]):  # divisibility checked
-      data = tf.nest.map_structure(tf.identity, data)
-    units = per_example.split_microbatches(data, self._inner.num_microbatches)
-    model = step.model
-
-    def unit_loss(params, unit):
-      del params  # the model reads its variables, watched by the tape
-      y_pred = model(unit["x"], training=True)
-      value = loss_fn(unit["y"], y_pred, unit.get("sample_weight"))
-      return tf.reduce_mean(_example_losses(value)), ()
-
+    num_microbatches = self._inner.num_microbatches
     self._count_steps()
-    try:
-      grads, losses, _ = per_example.per_unit_gradients(unit_loss, var_list,
-                                                        units)
-    except Exception as error:  # pylint: disable=broad-except
-      # Not vectorizable (an op without a pfor rule, ...): the reference.
-      return None, f"jacobian: not vectorizable ({type(error).__name__})"
-    return (grads, tf.cast(losses, unit_losses.dtype)), "vectorized"
+
+    def unit_mean(batch, y_pred):
+      value = loss_fn(batch["y"], y_pred, batch.get("sample_weight"))
+      return tf.reduce_mean(_example_losses(value))
+
+    def compute(data, recorded):
+      grads, losses, ops, how = self._map_units(
+          lambda unit: unit_mean(unit, model(unit["x"], training=True)),
+          var_list, data, num_microbatches, model)
+      if _compat.draws_random(ops):
+        # Per-unit draws differ from the batch's: compare without them.
+        self._check_mode = "inference"
+        _, alone, _, _ = self._map_units(
+            lambda unit: unit_mean(unit, model(unit["x"], training=False)),
+            None, data, num_microbatches, model)
+        batch_pred = model(data["x"], training=False)
+        value = loss_fn(data["y"], batch_pred, data.get("sample_weight"))
+        together = tf.reduce_mean(per_example.split_microbatches(
+            _example_losses(value), num_microbatches), axis=1)
+        how += ", checked in inference mode"
+      else:
+        self._check_mode = "training"
+        alone, together = losses, recorded
+      keep = clipping.losses_agree(tf.cast(together, tf.float32),
+                                   tf.cast(alone, tf.float32),
+                                   rtol=_AGREEMENT_TOL)
+      self._refused_steps.assign_add(tf.cast(~keep, tf.int64))
+      self._vectorized_steps.assign_add(1)
+      self._plan = how
+      return grads, keep
+
+    with tf.control_dependencies([unit_losses]):  # divisibility checked
+      data = tf.nest.map_structure(
+          lambda t: t if t is None else tf.identity(t), data)
+    if tf.executing_eagerly():
+      compute = self._eager_function(
+          ("fit", model, model.compiled_loss, num_microbatches, *var_list),
+          compute)
+    else:
+      _compat.install_host_check(model, self._raise_if_refused)
+    grads, keep = compute(data, tf.stop_gradient(unit_losses))
+    return (grads, keep), None
+
+  def _map_units(self, unit_loss, var_list, data, num_microbatches, model):
+    """Evaluates ``unit_loss(unit)`` on each unit of ``data`` alone (and its
+    gradient w.r.t. ``var_list`` unless None).
+
+    ``data`` (a structure of [B, ...] tensors, None leaves kept) is split
+    into units of one example, or ``num_microbatches`` microbatches.
+    ``tf.vectorized_map`` over units (strict, then with TensorFlow's per-op
+    loops), else ``tf.map_fn``: in every case each unit is computed from its
+    own slice of ``data`` only. A model that writes variables in the
+    evaluated code would share that state across units: ``ValueError``.
+
+    Returns ``(grads or None, losses [U] float32, ops, how)``; ``ops`` are
+    the ops of the unit function as traced (to look for random draws).
+    """
+    leaves = tf.nest.flatten(data)
+    present = [i for i, t in enumerate(leaves) if t is not None]
+    units = [per_example.split_microbatches(leaves[i], num_microbatches)
+             for i in present]
+    recorded = []
+
+    def alone(unit_leaves):
+      unit = [None] * len(leaves)
+      for i, t in zip(present, unit_leaves):
+        unit[i] = t
+      unit = tf.nest.pack_sequence_as(data, unit)
+      graph = tf.compat.v1.get_default_graph()
+      start = len(graph.get_operations())
+      if var_list is None:
+        loss, grads = unit_loss(unit), []
+      else:
+        with tf.GradientTape() as tape:
+          tape.watch(var_list)
+          loss = unit_loss(unit)
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+            loss, var_list,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)]
+      recorded.extend(graph.get_operations()[start:])
+      return grads, tf.cast(loss, tf.float32)
+
+    signature = ([tf.TensorSpec(v.shape, v.dtype.base_dtype)
+                  for v in var_list or []], tf.TensorSpec([], tf.float32))
+    attempts = (
+        ("vectorized", lambda: tf.vectorized_map(
+            alone, units, fallback_to_while_loop=False)),
+        ("vectorized, some ops looped", lambda: tf.vectorized_map(
+            alone, units, fallback_to_while_loop=True, warn=False)),
+        ("loop", lambda: tf.map_fn(alone, units,
+                                   fn_output_signature=signature)))
+    errors = []
+    for how, attempt in attempts:
+      try:
+        with _QuietVectorization(how != "loop"):
+          grads, losses = attempt()
+      except Exception as error:  # pylint: disable=broad-except
+        # No vectorization rule for an op (or a pfor bug): the next way.
+        errors.append(f"{how}: {type(error).__name__}: {error}")
+        continue
+      writes = _compat.state_writes(recorded, model)
+      if writes:
+        raise ValueError(_STATE_ERROR.format(ops=", ".join(writes[:5])))
+      return (None if var_list is None else grads), losses, recorded, how
+    raise ValueError(
+        "tf_dpadambc: the model cannot be evaluated one unit at a time "
+        "(tf.vectorized_map and tf.map_fn both failed):\n"
+        + "\n".join(errors))
+
+  def _eager_function(self, key, compute):
+    """``compute`` as a ``tf.function`` reused while ``key`` is the same (in
+    eager mode the per-unit evaluation still needs a graph: to vectorize
+    and to inspect the ops it runs)."""
+    cached = self._eager_cache
+    if cached is not None and len(cached[0]) == len(key) and all(
+        a is b or isinstance(a, (int, str)) and a == b
+        for a, b in zip(cached[0], key)):
+      return cached[1]
+    function = tf.function(compute, reduce_retracing=True)
+    self._eager_cache = (key, function)  # holds key: its ids stay unique
+    return function
 
   def _count_steps(self):
     if getattr(self, "_vectorized_steps", None) is None:
       with tf.init_scope():
-        # Not a checkpoint dependency: a diagnostic.
+        # Not checkpoint dependencies: diagnostics.
         self._vectorized_steps = self._no_dependency(tf.Variable(
             0, dtype=tf.int64, trainable=False, name="vectorized_steps"))
+        self._refused_steps = self._no_dependency(tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="refused_steps"))
 
   def _check_model(self, var_list, loss):
     model = _compat.calling_model(self, var_list)
@@ -404,21 +662,49 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         if isinstance(layer, _compat.CROSS_EXAMPLE_LAYERS):
           raise ValueError(_CROSS_EXAMPLE_ERROR.format(
               layer=layer.name, cls=type(layer).__name__))
-    op = _compat.traced_batch_norm(loss)
+    op = None if loss is None else _compat.traced_batch_norm(loss)
     if op is not None:
       raise ValueError(_CROSS_EXAMPLE_ERROR.format(
           layer=op, cls="a batch normalization op in training mode"))
 
   # ---------------------------------------------------------- config
   def get_config(self):
-    return self._inner.get_config()
+    config = self._inner.get_config()
+    if self.assume_examples_independent:
+      config["assume_examples_independent"] = True
+    return config
 
   @classmethod
   def from_config(cls, config, custom_objects=None):
     del custom_objects  # the inner class deserializes schedules itself
     if cls.keras3_class is None:
       raise TypeError("from_config needs a concrete class.")
-    return cls.wrap(cls.keras3_class.from_config(dict(config)))
+    config = dict(config)
+    assume = config.pop("assume_examples_independent", False)
+    return cls.wrap(cls.keras3_class.from_config(config),
+                    assume_examples_independent=assume)
+
+
+class _QuietVectorization(logging.Filter):
+  """Drops TensorFlow's log records while a vectorization is attempted: a
+  failed attempt logs every op pfor could not convert, as errors, though
+  the next way (a loop) then works. A total failure raises with the errors.
+  """
+
+  def __init__(self, active):
+    super().__init__()
+    self.active = active
+
+  def filter(self, record):
+    return False
+
+  def __enter__(self):
+    if self.active:
+      tf.get_logger().addFilter(self)
+    return self
+
+  def __exit__(self, *exc):
+    tf.get_logger().removeFilter(self)
 
 
 def _example_losses(loss):
@@ -477,9 +763,11 @@ def _tf_privacy_class(name, keras3_name, positional):
       kwargs[key] = value
     if kwargs.pop("amsgrad", False):
       raise ValueError(f"{name}: amsgrad=True is not supported.")
+    assume = kwargs.pop("assume_examples_independent", False)
     self._init_from(parent.keras3_class(
         l2_norm_clip, noise_multiplier, num_microbatches=num_microbatches,
-        gradient_accumulation_steps=gradient_accumulation_steps, **kwargs))
+        gradient_accumulation_steps=gradient_accumulation_steps, **kwargs),
+                    assume)
 
   doc = (f"TF-Privacy's ``{name}`` signature, driving our ``{keras3_name}``."
          "\n\n    " + name + "(l2_norm_clip, noise_multiplier, "
