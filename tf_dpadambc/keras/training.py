@@ -82,6 +82,7 @@ def _unit_losses(model, x, y, sample_weight, num_microbatches):
   """The pieces every clipping method shares: the parameters, the stateless
   forward pass, the per-example loss (None: evaluate the compiled loss per
   unit), ``unit_loss_fn(params, unit) -> (loss, y_pred)`` and the units."""
+  validation.check_forward(model, x)
   non_trainable = [v.value for v in model.non_trainable_variables]
   params = [v.value for v in model.trainable_variables]
   sample_weight = _per_example_weights(sample_weight, _batch_size(x))

@@ -1,6 +1,8 @@
 """Refuse models whose training cannot be made private per example."""
 import keras
+import tensorflow as tf
 
+from tf_dpadambc.core import graph
 from tf_dpadambc.keras import _compat
 
 # Layers that mix examples of a batch (their output for one example depends on
@@ -29,3 +31,44 @@ def check_model(model):
           "bounded by clipping, so differentially private training cannot "
           "use it. Replace it with keras.layers.GroupNormalization or "
           "keras.layers.LayerNormalization (per-example normalizations).")
+
+
+def check_forward(model, inputs):
+  """Raises ValueError if the model's training forward pass writes state.
+
+  Per-unit evaluation keeps examples apart only through values: a variable
+  written in the forward pass carries one unit's data to the others (under
+  ``tf.vectorized_map`` they share it) and into later steps, without noise.
+  Traced once on zeros shaped like one example of ``inputs``: Keras
+  variables assigned from the data (other than the random state of a
+  SeedGenerator) and raw ``tf.Variable`` writes (any write op: Keras
+  variables write no op inside a StatelessScope) are refused.
+  """
+  seeds = {id(sg.state) for sg in _compat.seed_generators(model)}
+  assigned = []
+
+  def trace(probe):
+    params = [tf.zeros(v.shape, v.dtype) for v in model.trainable_variables]
+    state = [tf.zeros(v.shape, v.dtype)
+             for v in model.non_trainable_variables]
+    _, updated = model.stateless_call(params, state, probe, training=True)
+    assigned.extend(v.path for v, new, old in zip(
+        model.non_trainable_variables, updated, state)
+                    if new is not old and id(v) not in seeds)
+    return 0
+
+  spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec([1] + list(t.shape[1:]), t.dtype), inputs)
+  traced = tf.function(trace).get_concrete_function(spec).graph
+  writes = graph.variable_writes(traced.get_operations())
+  if assigned or writes:
+    what = (f"assigns {assigned}" if assigned
+            else f"writes a tf.Variable ({writes[:3]})")
+    raise ValueError(
+        f"The forward pass of model '{model.name}' {what} in training mode. "
+        "State written from the data is not bounded by per-example clipping "
+        "and leaks into other examples and later steps without noise (like "
+        "BatchNormalization's moving statistics). Private training refuses "
+        "it: compute the value from the example itself, or keep the state "
+        "out of the training forward pass (update it only when "
+        "training=False).")

@@ -20,6 +20,8 @@ import keras
 import tensorflow as tf
 import tf_keras
 
+from tf_dpadambc.core import graph
+
 try:  # pylint: disable=g-import-not-at-top
   from tf_keras.src.layers.normalization.batch_normalization import (
       BatchNormalizationBase as _TFKerasBatchNorm)
@@ -197,63 +199,6 @@ def compiled_loss_fn(model, y, sample_weight):
 
 
 # -------------------------------------------- guards of per-unit evaluation
-# Ops that write a variable. tf.vectorized_map does not keep the units apart
-# through a variable (one unit's write is read by the others), and a layer
-# that writes data into its state between steps leaks it without noise.
-_WRITES = frozenset({
-    "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-    "ResourceStridedSliceAssign", "Assign", "AssignAdd", "AssignSub",
-    "ScatterUpdate", "ScatterAdd", "ScatterSub", "ScatterMul", "ScatterDiv",
-    "ScatterMin", "ScatterMax", "ScatterNdUpdate", "ScatterNdAdd",
-    "ScatterNdSub", "ScatterNdMin", "ScatterNdMax"})
-# Ops that draw random numbers (stateful, stateless, generator-based).
-_RANDOM_MARKS = ("Random", "Rng", "Multinomial", "TruncatedNormal",
-                 "StatefulUniform", "StatefulStandardNormal")
-
-
-def _writes_variable(op_type):
-  """True for an op type that writes a variable (or a function this graph
-  cannot look into: "<unknown>", counted as one)."""
-  return op_type in _WRITES or op_type == "<unknown>" or op_type.startswith(
-      ("ResourceScatter", "ResourceApply", "ResourceSparseApply"))
-
-
-def _called_functions(attrs):
-  """Names of the functions a node's attributes name (calls, loop bodies,
-  branches)."""
-  names = []
-  for value in attrs.values():
-    if value.HasField("func"):
-      names.append(value.func.name)
-    elif value.HasField("list"):
-      names += [f.name for f in value.list.func]
-  return names
-
-
-def _function_ops(graph, attrs):
-  """Op types inside the functions a node calls, recursively (from their
-  FunctionDefs); "<unknown>" for a function this graph cannot find."""
-  names, seen, types = _called_functions(attrs), set(), []
-  while names:
-    name = names.pop()
-    if name in seen:
-      continue
-    seen.add(name)
-    function, g = None, graph
-    while g is not None and function is None:
-      function = g._get_function(name)  # pylint: disable=protected-access
-      g = getattr(g, "outer_graph", None)
-    definition = getattr(function, "cached_definition",
-                         getattr(function, "definition", None))
-    if definition is None:
-      types.append("<unknown>")
-      continue
-    for node in definition.node_def:
-      types.append(node.op)
-      names += _called_functions(node.attr)
-  return types
-
-
 def _resolve_handle(tensor):
   """The eager resource handle a captured graph tensor stands for, or None."""
   for _ in range(32):
@@ -286,26 +231,14 @@ def state_writes(ops, model):
   """Names of the ops among ``ops`` (and the functions they call) that write
   a variable, other than the random state of a Keras 3 SeedGenerator."""
   seeds = _seed_state_handles(model) if model is not None else []
-  found = []
-  for op in ops:
-    if _writes_variable(op.type):
-      handle = _resolve_handle(op.inputs[0]) if op.inputs else None
-      if handle is not None and any(handle is s for s in seeds):
-        continue
-      found.append(op.name)
-    elif any(_writes_variable(t) for t in _function_ops(op.graph,
-                                                        op.node_def.attr)):
-      found.append(op.name)
-  return found
+
+  def seed_state(op):
+    handle = _resolve_handle(op.inputs[0]) if op.inputs else None
+    return handle is not None and any(handle is s for s in seeds)
+  return graph.variable_writes(ops, allowed=seed_state)
 
 
-def draws_random(ops):
-  """True if ``ops`` (or the functions they call) draw random numbers."""
-  for op in ops:
-    for op_type in [op.type] + _function_ops(op.graph, op.node_def.attr):
-      if any(mark in op_type for mark in _RANDOM_MARKS):
-        return True
-  return False
+draws_random = graph.draws_random
 
 
 # ------------------------------------------ the host's check after a step
