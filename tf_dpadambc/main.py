@@ -5,6 +5,7 @@
     python -m tf_dpadambc --dataset digits --epsilon 4
     tf-dpadambc --help
     tf-dpadambc compare --help            # any variants, a report with plots
+    tf-dpadambc audit --help              # ε lower bounds from canaries
 
 Calibrates the noise multiplier σ for the target ε with
 :func:`tf_dpadambc.compute_noise_multiplier`, then trains the same small
@@ -366,6 +367,9 @@ def main(argv=None):
   if argv[:1] == ["compare"]:
     from tf_dpadambc import compare  # pylint: disable=import-outside-toplevel
     return compare.main(argv[1:])
+  if argv[:1] == ["audit"]:
+    from tf_dpadambc.audit import cli  # pylint: disable=import-outside-toplevel
+    return cli.main(argv[1:])
   start = time.time()
   args = parse_args(argv)
   if args.jit_compile is None:

@@ -735,6 +735,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._max_batch_examples.assign(
         tf.maximum(self._max_batch_examples, num_examples))
     self._on_private_step(release)
+    for tap, value in zip(getattr(self, "_release_tap", None) or [],
+                          release.first):
+      tap.assign(tf.cast(value, tap.dtype))
     # update_step reads the step's release and reports statistics; both live
     # only while this (traced) call runs.
     # (object.__setattr__: plain Python state, kept out of Keras' tracking.)
@@ -838,6 +841,22 @@ class DPOptimizer(keras.optimizers.Optimizer):
   def _step_sensitivity(self):
     """Δ of this step's clipped sum (a step-dependent tensor for DP²)."""
     return self.sensitivity
+
+  def tap_releases(self, variables):
+    """For auditing (``tf_dpadambc.audit``): keeps each step's release ḡ_t —
+    the noisy gradient the update is computed from, already private — in
+    unsaved variables shaped like ``variables`` (the model's trainable
+    variables, in order); :attr:`last_release` reads them. A white-box
+    auditor that sees every release is the strongest adversary the ε claim
+    covers (the update is post-processing of the release)."""
+    self._keep_unsaved("_release_tap", [
+        self._unsaved_variable(v.shape, f"audit_release_{i}", "float32")
+        for i, v in enumerate(variables)])
+
+  @property
+  def last_release(self):
+    """The last step's release ḡ_t (NumPy arrays), after :meth:`tap_releases`."""
+    return [t.numpy() for t in self._release_tap]
 
   def _on_private_step(self, release):
     """Hook for per-step (not per-variable) state, before ``update_step``."""
