@@ -5,7 +5,7 @@
 
 Each configuration trains once with white-box gradient canaries through the
 real private step (``tf_dpadambc.audit``) and prints the claimed ε next to
-the 95% lower bounds (GDP and one-run estimators), plus one deliberately
+the 95% lower bounds (GDP, Clopper-Pearson and one-run estimators, 95%), plus one deliberately
 broken mechanism (noise halved) that the audit must flag.
 """
 import argparse
@@ -45,9 +45,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   size = ["--canaries", "1000", "--background", "1000", "--batch-size",
           "200"] if args.quick else []
-  lines = ["| configuration | claimed ε | ε_lower GDP (95%) | ε_lower one-run "
-           "(95%) | canaries in / out | steps |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| configuration | claimed ε | ε_lower GDP | ε_lower "
+           "Clopper-Pearson | ε_lower one-run | canaries in / out | steps | "
+           "verdict |", "|---|---|---|---|---|---|---|---|"]
   for epsilon in args.epsilons:
     for label, flags in CONFIGURATIONS:
       if args.quick and "--batch-size" in flags:
@@ -57,8 +57,9 @@ def main(argv=None):
           flags + size + ["--epsilon", str(epsilon), "--out", out]))
       lines.append(
           f"| {label} | {scores.claimed_epsilon:.2f} | {bounds['GDP']:.2f} | "
-          f"{bounds['one-run']:.2f} | {len(scores.in_scores)} / "
-          f"{len(scores.out_scores)} | {scores.steps} |")
+          f"{bounds['Clopper-Pearson']:.2f} | {bounds['one-run']:.2f} | "
+          f"{len(scores.in_scores)} / {len(scores.out_scores)} | "
+          f"{scores.steps} | {cli.verdict(scores, bounds)} |")
   print("\n".join(lines))
   return 0
 
