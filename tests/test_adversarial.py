@@ -505,3 +505,32 @@ def test_random_architectures_keep_the_bound(blocks, option):
   removed, replaced, removal = measure(model, option, np.random.default_rng(3))
   assert removed <= removal * TOL, (blocks, option, removed)
   assert replaced <= 2 * C * TOL, (blocks, option, replaced)
+
+
+def _centred_loss(y_true, y_pred):
+  """Per-example values that mix the batch: each minus the batch mean."""
+  values = LOSS.call(y_true, y_pred)
+  return values - ops.mean(values) + 1.0
+
+
+def test_a_loss_that_mixes_examples_is_bounded_and_refused():
+  keras.utils.set_random_seed(5)
+  model = keras.Sequential([keras.Input((T, P)), keras.layers.Flatten(),
+                            keras.layers.Dense(K)])
+  model.compile(loss=_centred_loss)
+  release, _ = release_fn(model, "plain")
+  x, y = batch(model, np.random.default_rng(4))
+  keep = np.arange(B) != VICTIM
+  w = np.ones(B, "float32")
+  moved = distance(release(x, y, w), release(x[keep], y[keep], w[keep]))
+  assert moved <= C * TOL  # evaluated per unit: bounded anyway
+  model = dp.make_private(model)
+  with pytest.warns(UserWarning, match="NOT differentially private"):
+    optimizer = dp.DPSGD(C, 0.0, learning_rate=1.0)
+  model.compile(optimizer=optimizer, loss=_centred_loss, jit_compile=True)
+  before = model.get_weights()
+  with pytest.raises(RuntimeError, match="output or loss for an example"):
+    model.fit(*batch(model, np.random.default_rng(5), 4 * B), batch_size=B,
+              epochs=1, verbose=0)
+  for got, want in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(got, want)

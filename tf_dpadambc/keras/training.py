@@ -201,27 +201,42 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   return result, unit_losses, per_example.merge_microbatches(y_pred)
 
 
-def examples_independent(model, x, num_microbatches=None, rtol=1e-3):
-  """True if the batched forward pass gives each unit the predictions it
-  gets alone (inference mode, so that randomness does not differ).
+def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
+  """True if the batched forward pass gives each unit the predictions (and,
+  with ``y``, the per-example loss values) it gets alone (inference mode, so
+  that randomness does not differ).
 
   Privacy does not rest on this (every private path evaluates units alone);
   it says whether per-unit evaluation trains the model the user wrote. A
   model whose layers mix examples of a batch (statistics over axis 0, a lag
-  across rows, attention over the batch) fails it. Tolerance: ``rtol`` of
-  each value plus ``rtol`` of the output's mean magnitude (float32 sums
-  ordered differently in a batch), plus 1e-6.
+  across rows, attention over the batch), or a loss that does (values
+  centred over the batch), fails it. Tolerance: ``rtol`` of each value plus
+  ``rtol`` of the output's mean magnitude (float32 sums ordered differently
+  in a batch), plus 1e-6.
   """
   non_trainable = [v.value for v in model.non_trainable_variables]
   params = [v.value for v in model.trainable_variables]
+  example_loss = None if y is None else _compat.example_loss_fn(model)
+  if example_loss is not None and len(tf.nest.flatten(y)) != 1:
+    example_loss = None
 
   def predict(inputs):
     return model.stateless_call(params, non_trainable, inputs,
                                 training=False)[0]
+
+  def predict_unit(unit):
+    ux, uy = unit
+    y_pred = predict(ux)
+    if example_loss is None:
+      return y_pred
+    return y_pred, _per_example_values(example_loss, uy, y_pred)
   batched = predict(x)
+  if example_loss is not None:
+    batched = batched, _per_example_values(example_loss, y, batched)
   alone = per_example.merge_microbatches(tf.vectorized_map(
-      predict, per_example.split_microbatches(x, num_microbatches),
-      fallback_to_while_loop=False))
+      predict_unit, per_example.split_microbatches(
+          (x, tf.zeros([_batch_size(x)]) if y is None else y),
+          num_microbatches), fallback_to_while_loop=False))
 
   def agree(b, a):
     if b.shape.is_fully_defined() and a.shape.is_fully_defined() and (
@@ -381,7 +396,8 @@ def _dp_train_step(self, data):
   # raises (privacy holds either way).
   consistent = tf.cond(
       tf.equal(optimizer.iterations, 0),
-      lambda: examples_independent(self, x, optimizer.num_microbatches),
+      lambda: examples_independent(self, x, optimizer.num_microbatches,
+                                   y=y),
       lambda: tf.constant(True))
   if optimizer.query is not None:
     result, unit_losses, y_pred = _query_step(self, optimizer, x, y,
@@ -560,11 +576,12 @@ def _checked_train_function(model):
       logs = function(*args, **kwargs)
       if float(logs.pop(_UNVERIFIED, 0.0)):
         raise RuntimeError(
-            "The model's output for an example depends on the other "
+            "The model's output or loss for an example depends on the other "
             "examples of its batch (checked on the first step: the batched "
-            "forward pass did not reproduce each example's own output). A "
-            "layer or a Lambda mixes examples (statistics, shifts, lags or "
-            "attention over axis 0), or draws randomness Keras does not "
+            "forward pass did not reproduce each example's own output and "
+            "loss). A layer, a Lambda or the loss mixes examples "
+            "(statistics, shifts, lags or attention over axis 0), or draws "
+            "randomness Keras does not "
             "track (tf.random instead of keras.random with a SeedGenerator) "
             "in inference mode. Private training evaluates each example on "
             "its own, which would train a different model; the step applied "
