@@ -221,6 +221,16 @@ def _logits(body):  # a body that ends in logits itself
   return keras.Model(inputs, body(inputs))
 
 
+def lora_fold(x):  # a LoRA-enabled Dense on folded rows (per-layer rule)
+  flat = lam(lambda t: ops.reshape(t, (-1, P)))(x)
+  dense = keras.layers.Dense(5, activation="tanh")
+  h = dense(flat)
+  dense.enable_lora(2)
+  dense.lora_kernel_b.assign(np.full(dense.lora_kernel_b.shape, 0.5,
+                                     "float32"))
+  return lam(lambda t: ops.reshape(t, (-1, T, 5)))(h)
+
+
 def _ids_model(body):
   inputs = keras.Input((T,), dtype="int32")
   return keras.Model(inputs, _head(body(inputs)))
@@ -241,7 +251,7 @@ SEQUENCE = [fold_rows, fold_into_one_row, siamese_concat, reverse_batch,
             roll_batch, lag_feature, training_only_lag, centre_batch,
             batch_max_scale, sort_batch, cumsum_batch, attention_over_batch,
             mha_over_batch, custom_batch_sum, carried_mean, raw_variable_sum,
-            conv_across_batch,
+            conv_across_batch, lora_fold,
             regularized_fold, tied_fold, rnn_then_lag, layernorm_then_fold]
 IDS = [embedding_fold, siamese_embedding]
 LOGITS = [fold_everything, siamese_everything]

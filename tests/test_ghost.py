@@ -431,3 +431,36 @@ def test_clipping_plan_before_training_traces_the_model():
   assert "ghost norm" in str(plan)
   vectorized = dp.make_private(_mlp(), clipping="vectorized")
   assert "was chosen" in dp.clipping_plan(vectorized).fallback
+
+
+def _lora():
+  inputs = keras.Input((5,), dtype="int32")
+  embedding = keras.layers.Embedding(20, 8)
+  h = embedding(inputs)
+  einsum = keras.layers.EinsumDense("abc,cd->abd", (5, 6), bias_axes="d")
+  h = einsum(h)
+  dense = keras.layers.Dense(4, activation="tanh")
+  h = dense(keras.layers.Flatten()(h))
+  model = keras.Model(inputs, keras.layers.Dense(3)(h))
+  for layer in (embedding, einsum, dense):
+    layer.enable_lora(2)
+  rng = np.random.default_rng(21)
+  for b in (embedding.lora_embeddings_b, einsum.lora_kernel_b,
+            dense.lora_kernel_b):  # zero-initialized: make B's role visible
+    b.assign(rng.normal(size=b.shape))
+  return model
+
+
+@pytest.mark.parametrize("num_microbatches", [None, 4])
+def test_lora_layers_clip_their_factors_exactly(num_microbatches):
+  model = _lora()
+  names = {v.path.split("/")[-1] for v in model.trainable_variables}
+  assert {"lora_kernel_a", "lora_kernel_b", "lora_embeddings_a"} <= names
+  assert "embeddings" not in names  # the base weights are frozen
+  x, y = _data(model, np.random.default_rng(22))
+  spec = clipping.ClipSpec(0.05)
+  result = ghost_sum(model, x, y, None, spec, num_microbatches)
+  assert_same(result, reference(model, x, y, None, spec, num_microbatches))
+  plan = dp.clipping_plan(model)
+  assert plan.fallback is None
+  assert sum("LoRA factors" in e.method for e in plan.entries) == 3

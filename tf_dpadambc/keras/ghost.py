@@ -489,15 +489,28 @@ class _PerLayer(_Materialized):
     return "per-layer vectorized per-unit gradients (no ghost rule)"
 
 
+class _LoRA(_PerLayer):
+  """A LoRA-enabled layer (Keras ``enable_lora``): kernel K frozen, trainable
+  factors A, B of K + (α/r)·AB. Their per-unit gradients (r·(p + d) numbers)
+  come from re-running the layer on the unit's recorded input with its δ."""
+
+  def plan(self):
+    return ("LoRA factors per unit (rank "
+            f"{self.layer.lora_rank}, layer re-run per unit)")
+
+
 def _has_bias(layer):
   return getattr(layer, "bias", None) is not None
 
 
 def _rule_for(layer, original_call, values):
   """The rule for a layer with trainable weights, or raise Unsupported."""
-  if getattr(layer, "lora_enabled", False) or (
-      layer.dtype_policy.quantization_mode is not None):
-    raise Unsupported(f"layer '{layer.name}' is quantized or uses LoRA")
+  if layer.dtype_policy.quantization_mode is not None:
+    raise Unsupported(f"layer '{layer.name}' is quantized")
+  if getattr(layer, "lora_enabled", False):
+    # Trainable: the LoRA factors (and a bias), a few numbers per unit:
+    # materialized per unit by re-running the layer (exact by construction).
+    return _LoRA(layer, original_call, values)
   if type(layer) is keras.layers.Dense:  # pylint: disable=unidiomatic-typecheck
     return _Dense(layer)
   if type(layer) is keras.layers.EinsumDense and _EinsumDense.supported(layer):  # pylint: disable=unidiomatic-typecheck
