@@ -464,3 +464,24 @@ def test_lora_layers_clip_their_factors_exactly(num_microbatches):
   plan = dp.clipping_plan(model)
   assert plan.fallback is None
   assert sum("LoRA factors" in e.method for e in plan.entries) == 3
+
+
+@pytest.mark.parametrize("rnn", ["LSTM", "GRU", "SimpleRNN"])
+def test_recurrent_models_clip_exactly_in_a_per_unit_loop(rnn):
+  # tf.vectorized_map fails at run time on a recurrent layer's TensorList:
+  # such models are evaluated unit by unit (tf.map_fn), exact and slower.
+  model = keras.Sequential([keras.Input((6,), dtype="int32"),
+                            keras.layers.Embedding(20, 8),
+                            getattr(keras.layers, rnn)(5),
+                            keras.layers.Dense(3)])
+  x, y = _data(model, np.random.default_rng(23))
+  x = np.minimum(x, 19)
+  spec = clipping.ClipSpec(0.3)
+  with pytest.warns(UserWarning, match="tf.map_fn loop"):
+    result = ghost_sum(model, x, y, None, spec, None, method="auto")
+  assert_same(result, reference(model, x, y, None, spec, None), rtol=1e-4)
+  assert "recurrent" in dp.clipping_plan(model).fallback
+  model = dp.make_private(model)
+  model.compile(optimizer=dp.DPAdamBC(1.0, 1.0), loss=LOSS, jit_compile=True)
+  history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+  assert np.isfinite(history.history["loss"][0])

@@ -94,6 +94,51 @@ def merge_microbatches(stacked):
   return tf.nest.map_structure(merge, stacked)
 
 
+_SEQUENTIAL = []  # trace-time flag: map_units loops instead of vectorizing
+
+
+@contextlib.contextmanager
+def sequential_units(enabled=True):
+  """Within it, :func:`map_units` evaluates units one after another.
+
+  For computations TensorFlow's vectorizer gets wrong at run time rather
+  than refusing at trace time: recurrent layers (their while loop's
+  TensorList fails inside ``vectorized_map``, "TensorListPushBack").
+  """
+  _SEQUENTIAL.append(bool(enabled))
+  try:
+    yield
+  finally:
+    _SEQUENTIAL.pop()
+
+
+def map_units(fn, units):
+  """``fn`` on every unit alone, results stacked: ``tf.vectorized_map``, or
+  a ``tf.map_fn`` loop where TensorFlow cannot vectorize ``fn`` (or inside
+  :func:`sequential_units`).
+
+  Both have the semantics of a loop over units (no unit sees another), so
+  either is exact; the loop is slower (units one after another), and says
+  so.
+  """
+  def loop(reason):
+    first = tf.nest.map_structure(lambda t: t[0], units)
+    signature = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), fn(first))
+    warnings.warn(
+        f"Per-example computation in a tf.map_fn loop ({reason}): exact, "
+        "slower than vectorized.", stacklevel=3)
+    return tf.map_fn(fn, units, fn_output_signature=signature)
+  if _SEQUENTIAL and _SEQUENTIAL[-1]:
+    return loop("recurrent layers cannot be vectorized")
+  try:
+    return tf.vectorized_map(fn, units, fallback_to_while_loop=False)
+  except (TypeError, ValueError, NotImplementedError,
+          tf.errors.InvalidArgumentError) as e:
+    return loop(f"tf.vectorized_map: {type(e).__name__}: "
+                f"{str(e).splitlines()[-1][:160]}")
+
+
 def _unit_gradient(unit_loss_fn, params, unit):
   with tf.GradientTape() as tape:
     tape.watch(params)
@@ -112,9 +157,8 @@ def per_unit_gradients(unit_loss_fn, params, units):
   gradients, stochastic layers); :func:`per_unit_norms` avoids storing it.
   """
   with _report_looped_ops():
-    return tf.vectorized_map(
-        lambda unit: _unit_gradient(unit_loss_fn, params, unit), units,
-        fallback_to_while_loop=False)
+    return map_units(lambda unit: _unit_gradient(unit_loss_fn, params, unit),
+                     units)
 
 
 def per_unit_norms(unit_loss_fn, params, units, scale=None):
@@ -130,7 +174,7 @@ def per_unit_norms(unit_loss_fn, params, units, scale=None):
       grads = [g * tf.cast(s, g.dtype) for g, s in zip(grads, scale)]
     return tf.sqrt(_sum_of_squares(grads)), loss, aux
   with _report_looped_ops():
-    return tf.vectorized_map(unit_norm, units, fallback_to_while_loop=False)
+    return map_units(unit_norm, units)
 
 
 def _sum_of_squares(tensors):

@@ -61,6 +61,12 @@ def own_trainable_variables(layer):
   return [v for v in layer._trainable_variables if v.trainable]  # pylint: disable=protected-access
 
 
+def has_recurrent_layers(model):
+  """True if the model has a Keras recurrent layer (LSTM, GRU, RNN, ...)."""
+  return any(isinstance(layer, keras.layers.RNN)
+             for layer in flatten_layers(model))
+
+
 def seed_generators(model):
   """The ``keras.random.SeedGenerator`` objects of the model's layers."""
   return [sg for layer in flatten_layers(model)

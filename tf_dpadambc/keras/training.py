@@ -129,8 +129,9 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   """
   params, _, _, _, unit_loss_fn, units = _unit_losses(
       model, x, y, sample_weight, num_microbatches)
-  grads, losses, y_pred = per_example.per_unit_gradients(unit_loss_fn, params,
-                                                         units)
+  with per_example.sequential_units(_compat.has_recurrent_layers(model)):
+    grads, losses, y_pred = per_example.per_unit_gradients(
+        unit_loss_fn, params, units)
   return grads, losses, per_example.merge_microbatches(y_pred)
 
 
@@ -166,6 +167,13 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   """
   if method not in _METHODS:
     raise ValueError(f"clipping={method!r}: use one of {_METHODS}.")
+  with per_example.sequential_units(_compat.has_recurrent_layers(model)):
+    return _private_gradient_sum(model, x, y, sample_weight, clip,
+                                 num_microbatches, method)
+
+
+def _private_gradient_sum(model, x, y, sample_weight, clip, num_microbatches,
+                          method):
   (params, non_trainable, forward, example_loss, unit_loss_fn,
    units) = _unit_losses(model, x, y, sample_weight, num_microbatches)
 
@@ -181,6 +189,8 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
     reason = "the model has several outputs or losses"
   elif extra_losses:
     reason = "the model adds losses (regularizers or add_loss)"
+  elif _compat.has_recurrent_layers(model):
+    reason = "recurrent layers are evaluated per unit in a loop"
   elif method != "vectorized":
     try:
       result, unit_losses, y_pred, plan = ghost.clipped_sum(
@@ -233,10 +243,11 @@ def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
   batched = predict(x)
   if example_loss is not None:
     batched = batched, _per_example_values(example_loss, y, batched)
-  alone = per_example.merge_microbatches(tf.vectorized_map(
-      predict_unit, per_example.split_microbatches(
-          (x, tf.zeros([_batch_size(x)]) if y is None else y),
-          num_microbatches), fallback_to_while_loop=False))
+  with per_example.sequential_units(_compat.has_recurrent_layers(model)):
+    alone = per_example.merge_microbatches(per_example.map_units(
+        predict_unit, per_example.split_microbatches(
+            (x, tf.zeros([_batch_size(x)]) if y is None else y),
+            num_microbatches)))
 
   def agree(b, a):
     if b.shape.is_fully_defined() and a.shape.is_fully_defined() and (
