@@ -410,3 +410,22 @@ def test_an_epoch_that_repeats_the_data_is_not_taken_for_one_pass():
   text = dp.optimizer_privacy_statement(optimizer, N, DELTA)
   assert "the data repeats within an epoch" in text
   assert "upper bound" in text
+
+
+def test_steps_per_epoch_over_a_repeated_dataset_is_not_under_counted():
+  """shuffle(N).repeat(3).batch(B) with steps_per_epoch=10: 2 Keras epochs
+  of 10 batches hold 200 examples of a 95-example set, so some example ran
+  3 times; taking each epoch for a pass reported ε(2 passes) = 7.08 (found
+  by a review). More examples than the recorded passes hold: every batch is
+  accounted as its own pass."""
+  x, y = _data()
+  model = _model()
+  repeated = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(N).repeat(
+      3).batch(B)
+  model.fit(repeated, epochs=2, steps_per_epoch=10, verbose=0)
+  optimizer = model.optimizer
+  assert optimizer.steps_taken == 20
+  eps = _reported(optimizer)
+  assert eps >= _rdp((1.0, 3))  # at least the 3 passes an example can see
+  text = dp.optimizer_privacy_statement(optimizer, N, DELTA)
+  assert "upper bound" in text and "repeats within an epoch" in text

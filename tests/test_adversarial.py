@@ -544,3 +544,26 @@ def test_a_loss_that_mixes_examples_is_bounded_and_refused():
               epochs=1, verbose=0)
   for got, want in zip(model.get_weights(), before):
     np.testing.assert_array_equal(got, want)
+
+
+class InferenceOnlyWrite(keras.layers.Layer):
+  """Writes a raw tf.Variable only in inference mode (the first-step check
+  runs the batch in inference mode), and reads it in training."""
+
+  def build(self, shape):
+    self.seen = tf.Variable(tf.zeros(shape[1:]), trainable=False)
+
+  def call(self, t, training=False):
+    if not training:
+      self.seen.assign(ops.mean(t, axis=0))
+    return t + self.seen
+
+
+def test_a_variable_written_in_inference_mode_is_refused():
+  keras.utils.set_random_seed(6)
+  model = keras.Sequential([keras.Input((T, P)), keras.layers.Dense(5),
+                            InferenceOnlyWrite(), keras.layers.Flatten(),
+                            keras.layers.Dense(K)])
+  model.compile(loss=LOSS)
+  with pytest.raises(ValueError, match="State written from the data"):
+    measure(model, "plain", np.random.default_rng(0))

@@ -55,10 +55,11 @@ REASONS = {
                 "as if each could hold any example",
     ABORTED: "an epoch began whose end was never recorded; its batches were "
              "accounted as if each could hold any example",
-    LONG_EPOCH: "an epoch held more batches than one pass over the N "
-                "training examples can (the data repeats within an epoch, "
-                "e.g. Dataset.repeat before fit), so every batch was "
-                "accounted as if it could hold any example",
+    LONG_EPOCH: "the epochs held more batches or examples than passes over "
+                "the N training examples can (the data repeats within an "
+                "epoch, e.g. Dataset.repeat before fit, possibly cut by "
+                "steps_per_epoch), so every batch was accounted as if it "
+                "could hold any example",
 }
 NOTES = {
     SUB_EPOCHS: "fit ran with steps_per_epoch: each of its epochs was counted "
@@ -458,17 +459,21 @@ class AccountingLedger:
   def flag(self, reason):
     self._update(lambda s, p: setattr(s, "reasons", s.reasons | reason))
 
-  def structure(self, extra_epoch_batches=0, longest_pass=None):
+  def structure(self, extra_epoch_batches=0, longest_pass=None,
+                conservative=False):
     """The :class:`RunStructure` of what ran (see LedgerState.structure).
 
     ``longest_pass``: the most physical batches one pass over the training
     set can hold (ceil(N / b)), where N is known. A recorded epoch longer
     than that repeats data, so it cannot be one pass: then every batch is
     accounted as its own pass (an upper bound, said in the statement).
+    ``conservative``: the caller knows the epochs were not passes (more
+    examples ran than they can hold): every batch its own pass.
     """
     position = self.position()
     result = self.state().structure(position, extra_epoch_batches)
-    if longest_pass and result.max_epoch_batches > longest_pass:
+    if conservative or (longest_pass
+                        and result.max_epoch_batches > longest_pass):
       everything = LedgerState(k=self._k)
       everything.commit(position + extra_epoch_batches, known=False,
                         reason=LONG_EPOCH)

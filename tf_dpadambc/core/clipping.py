@@ -90,7 +90,7 @@ def clip_factors(norms, l2_norm_clip, automatic_gamma=None):
   finite = tf.math.is_finite(norms)
   safe = tf.where(finite, norms, tf.ones_like(norms))
   if automatic_gamma is None:
-    factors = tf.minimum(1.0, clip / tf.maximum(safe, 1e-30))
+    factors = tf.minimum(tf.ones_like(safe), clip / tf.maximum(safe, 1e-30))
   else:
     factors = clip / (safe + tf.cast(automatic_gamma, norms.dtype))
   return tf.where(finite, factors, tf.zeros_like(norms))

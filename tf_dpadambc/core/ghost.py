@@ -54,7 +54,12 @@ def per_unit_sum(t, num_microbatches=None):
 
 
 def sum_squares(t):
-  """Σ of squares over every axis but the first: [U, ...] -> [U]."""
+  """Σ of squares over every axis but the first, in float64: [U, ...] -> [U].
+
+  float64, because the squares of float32 values neither underflow nor
+  overflow there (a norm flushed to 0 would leave a unit unclipped).
+  """
+  t = tf.cast(t, tf.float64)
   return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), axis=1)
 
 
@@ -63,31 +68,60 @@ def prefer_ghost(positions, fan_in, fan_out):
   return positions == 1 or 2 * positions * positions < fan_in * fan_out
 
 
+def guarded(sq_norms, bound, terms):
+  """The squared norms, never below what rounding can explain.
+
+  ``bound`` [U] is an upper bound of the norm (the triangle inequality:
+  Σ_t ‖a_t‖‖δ_t‖); ``terms``, how many products each float64 result sums.
+  Where a result is within the rounding error of float64 (≈ terms·2⁻⁵³·
+  bound², ×1000 for margin) — cancellation a unit can provoke with rows that
+  nearly cancel — the bound is used instead: the unit is clipped as if its
+  norm were the bound, never less.
+  """
+  sq_norms = tf.cast(sq_norms, tf.float64)
+  bound_sq = tf.square(tf.cast(bound, tf.float64))
+  tolerance = 1e3 * float(terms) * 2.0 ** -53
+  return tf.where(sq_norms >= tolerance * bound_sq, sq_norms, bound_sq)
+
+
+def _row_norms(t):
+  """[U, T, f] -> [U, T] Euclidean norms of the rows, float64."""
+  return tf.sqrt(tf.reduce_sum(tf.square(tf.cast(t, tf.float64)), axis=-1))
+
+
 def linear_sq_norms(a, delta, scale=None):
   """‖A_uᵀΔ_u‖²_F (or ‖s ⊙ A_uᵀΔ_u‖²_F) for every unit: [U, T, p], [U, T, d] -> [U].
 
   The method is chosen from the static shapes (:func:`prefer_ghost`);
-  ``scale`` (shape [p, d]) forces materialization unless T = 1.
+  ``scale`` (shape [p, d]) forces materialization unless T = 1. Computed in
+  float64 and :func:`guarded`: a unit whose rows nearly cancel, or whose
+  values are tiny or huge, is never clipped by a norm below its own (the
+  sum, book-kept from the same a and δ, would then carry more than C).
   """
   a, delta = tf.convert_to_tensor(a), tf.convert_to_tensor(delta)
   positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
-  if positions == 1:
-    a, delta = a[:, 0], delta[:, 0]
+  a64, delta64 = tf.cast(a, tf.float64), tf.cast(delta, tf.float64)
+  if positions == 1:  # sums of squares: no cancellation
+    a64, delta64 = a64[:, 0], delta64[:, 0]
     if scale is None:
-      return sum_squares(a) * sum_squares(delta)
+      return sum_squares(a64) * sum_squares(delta64)
     # (a⊙a)ᵀ (s⊙s) (δ⊙δ), one [U, p] x [p, d] product.
     return tf.reduce_sum(
-        tf.matmul(tf.square(a), tf.square(tf.cast(scale, a.dtype)))
-        * tf.square(delta), axis=1)
+        tf.matmul(tf.square(a64), tf.square(tf.cast(scale, tf.float64)))
+        * tf.square(delta64), axis=1)
+  bound = tf.reduce_sum(_row_norms(a64) * _row_norms(delta64), axis=1)
+  if scale is not None:
+    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+  terms = (positions or 1024) ** 2 + (fan_in or 0) + (fan_out or 0)
   if scale is None and positions is not None and prefer_ghost(
       positions, fan_in, fan_out):
-    gram_a = tf.matmul(a, a, transpose_b=True)
-    gram_d = tf.matmul(delta, delta, transpose_b=True)
-    return tf.reduce_sum(gram_a * gram_d, axis=[1, 2])
-  grads = tf.einsum("utp,utd->upd", a, delta)
+    gram_a = tf.matmul(a64, a64, transpose_b=True)
+    gram_d = tf.matmul(delta64, delta64, transpose_b=True)
+    return guarded(tf.reduce_sum(gram_a * gram_d, axis=[1, 2]), bound, terms)
+  grads = tf.einsum("utp,utd->upd", a64, delta64)
   if scale is not None:
     grads *= tf.cast(scale, grads.dtype)
-  return sum_squares(grads)
+  return guarded(sum_squares(grads), bound, terms)
 
 
 def linear_grad(a, delta, weights):
@@ -96,8 +130,14 @@ def linear_grad(a, delta, weights):
   Units with weight 0 add exactly 0, even if their a or δ are not finite.
   """
   weights = tf.convert_to_tensor(weights)
-  return tf.einsum("utp,utd->pd", masked(a, weights != 0),
-                   masked(delta, weights != 0) * weights[:, None, None])
+  # float64: the sum must carry each unit's A_uᵀΔ_u as exactly as its norm
+  # was computed; in float32 the rounding of rows that nearly cancel could
+  # add to a unit's contribution beyond C.
+  a64, delta64 = tf.cast(a, tf.float64), tf.cast(delta, tf.float64)
+  keep = weights != 0
+  grad = tf.einsum("utp,utd->pd", masked(a64, keep), masked(delta64, keep)
+                   * tf.cast(weights, tf.float64)[:, None, None])
+  return tf.cast(grad, a.dtype)
 
 
 def linear_square_sum(a, delta, weights):
@@ -136,6 +176,14 @@ def weighted_sum(per_unit, weights):
   return tf.tensordot(weights, masked(per_unit, weights != 0), axes=1)
 
 
+def _rows_of(ids, vocab_size):
+  """The table rows ids address, as the lookup does under XLA: clamped to
+  [0, vocab). The norm and the sum must agree on them (an id past the table
+  counted as its own row in the norm but added to another row in the sum
+  would leave a unit under-clipped); eagerly such ids raise in the lookup."""
+  return tf.clip_by_value(tf.cast(ids, tf.int64), 0, vocab_size - 1)
+
+
 def _segments(ids, delta, vocab_size):
   """Σ of δ over each unit's equal ids, by sorting every unit's ids.
 
@@ -144,7 +192,7 @@ def _segments(ids, delta, vocab_size):
   ``(sums [U·T, d], unit [U·T], id [U·T])``: one slot per position, of which
   the unused ones are zero.
   """
-  ids, delta = tf.convert_to_tensor(ids), tf.convert_to_tensor(delta)
+  ids, delta = _rows_of(ids, vocab_size), tf.convert_to_tensor(delta)
   num_units, length = tf.shape(ids)[0], tf.shape(ids)[1]
   static_length = ids.shape[1]
   wide = static_length is None or vocab_size * static_length >= 2**31
@@ -174,12 +222,17 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   the rows are formed by sorting each unit's ids, O(UT log T + UTd), never
   [U, vocab, d]. ``scale`` ([vocab, d]) weights row v by s_v.
   """
-  sums, _, token = _segments(ids, delta, vocab_size)
+  delta64 = tf.cast(delta, tf.float64)
+  sums, _, token = _segments(ids, delta64, vocab_size)
   if scale is not None:
     sums *= tf.gather(tf.cast(scale, sums.dtype), token)
   # Slots are laid out unit by unit, T per unit.
-  return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
-                                  tf.shape(ids)[:2]), 1)
+  sq = tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
+                                tf.shape(ids)[:2]), 1)
+  bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
+  if scale is not None:
+    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+  return guarded(sq, bound, (ids.shape[1] or 1024) + (delta.shape[2] or 0))
 
 
 def embedding_square_sum(ids, delta, weights, vocab_size):
@@ -194,10 +247,13 @@ def embedding_square_sum(ids, delta, weights, vocab_size):
 def embedding_grad(ids, delta, weights, vocab_size):
   """Σ_u w_u ∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
   delta, weights = tf.convert_to_tensor(delta), tf.convert_to_tensor(weights)
-  weighted = masked(delta, weights != 0) * weights[:, None, None]
-  return tf.math.unsorted_segment_sum(
+  # float64, as the norms (see linear_grad).
+  weighted = masked(tf.cast(delta, tf.float64), weights != 0) * tf.cast(
+      weights, tf.float64)[:, None, None]
+  return tf.cast(tf.math.unsorted_segment_sum(
       tf.reshape(weighted, [-1, tf.shape(delta)[-1]]),
-      tf.reshape(tf.cast(ids, tf.int32), [-1]), vocab_size)
+      tf.reshape(tf.cast(_rows_of(ids, vocab_size), tf.int32), [-1]),
+      vocab_size), delta.dtype)
 
 
 def conv_patches(x, kernel_size, strides, padding, dilation_rate):
@@ -241,17 +297,19 @@ def conv_grad(x, delta, weights, kernel_shape, strides, padding,
   (per example: microbatches are weighted by repeating their weight).
   """
   keep = weights != 0
-  x = masked(x, keep)
-  delta = masked(delta, keep) * tf.reshape(
-      weights, [-1] + [1] * (delta.shape.rank - 1))
+  dtype = x.dtype
+  # float64, as the norms (see linear_grad).
+  x = masked(tf.cast(x, tf.float64), keep)
+  delta = masked(tf.cast(delta, tf.float64), keep) * tf.reshape(
+      tf.cast(weights, tf.float64), [-1] + [1] * (delta.shape.rank - 1))
   x, padding = _causal(x, kernel_shape[:-2], padding, dilation_rate)
-  kernel = tf.zeros(kernel_shape, x.dtype)
+  kernel = tf.zeros(kernel_shape, tf.float64)
   with tf.GradientTape() as tape:
     tape.watch(kernel)
     z = tf.nn.convolution(x, kernel, strides=list(strides),
                           padding=padding.upper(),
                           dilations=list(dilation_rate))
-  return tape.gradient(z, kernel, output_gradients=delta)
+  return tf.cast(tape.gradient(z, kernel, output_gradients=delta), dtype)
 
 
 def masked(t, keep):

@@ -702,14 +702,17 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
                    for v in rule.variables]
     for v, s in zip(rule.variables, rule.sq_norms(d, rule_scales)):
       sq[index[id(v)]] = s
-  zero = tf.zeros_like(unit_losses)
-  sq = [zero if s is None else tf.cast(s, unit_losses.dtype) for s in sq]
+  # Norms and factors in float64 (core.ghost computes the squares there):
+  # a float32 norm can underflow to 0 and leave a unit unclipped.
+  zero = tf.zeros_like(unit_losses, tf.float64)
+  sq = [zero if s is None else tf.cast(s, tf.float64) for s in sq]
   norms = tf.sqrt(tf.add_n(sq))
   ok = tf.math.is_finite(norms)
+  weight_dtype = unit_losses.dtype
   if spec.layer_clips is None:
     factors = clipping.clip_factors(norms, spec.l2_norm_clip,
                                     spec.automatic_gamma)
-    weights = [factors] * len(params)
+    weights = [tf.cast(factors, weight_dtype)] * len(params)
     was_clipped = factors < 1.0
   else:
     if len(spec.layer_clips) != len(params):
@@ -717,10 +720,11 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
           f"{len(spec.layer_clips)} per-layer clip norms for {len(params)} "
           "trainable variables: give one per variable.")
     # A unit is dropped whole if any of its tensors is not finite.
-    weights = [tf.where(ok, clipping.clip_factors(tf.sqrt(s), c,
-                                                  spec.automatic_gamma), 0.)
-               for s, c in zip(sq, spec.layer_clips)]
-    was_clipped = tf.reduce_any(tf.stack([w < 1.0 for w in weights]), 0)
+    factors = [tf.where(ok, clipping.clip_factors(tf.sqrt(s), c,
+                                                  spec.automatic_gamma),
+                        tf.zeros_like(s)) for s, c in zip(sq, spec.layer_clips)]
+    weights = [tf.cast(f, weight_dtype) for f in factors]
+    was_clipped = tf.reduce_any(tf.stack([f < 1.0 for f in factors]), 0)
 
   def collect(method):
     out = [tf.zeros_like(p) for p in params]
@@ -743,6 +747,7 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
                 rule.plan() if rule.calls else "not called")
       for rule in rules)
   result = clipping.ClippedSum(
-      grads, norms, tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32)),
+      grads, tf.cast(norms, unit_losses.dtype),
+      tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32)),
       tf.reduce_sum(tf.cast(~ok, tf.int32)), tf.constant(False), squares)
   return result, unit_losses, y_pred, plan

@@ -34,33 +34,40 @@ def check_model(model):
 
 
 def check_forward(model, inputs):
-  """Raises ValueError if the model's training forward pass writes state.
+  """Raises ValueError if the model's forward pass writes state.
 
   Per-unit evaluation keeps examples apart only through values: a variable
   written in the forward pass carries one unit's data to the others (under
   ``tf.vectorized_map`` they share it) and into later steps, without noise.
-  Traced once on zeros shaped like one example of ``inputs``: Keras
-  variables assigned from the data (other than the random state of a
-  SeedGenerator) and raw ``tf.Variable`` writes (any write op: Keras
-  variables write no op inside a StatelessScope) are refused.
+  Traced on zeros shaped like one example of ``inputs``, in training and
+  in inference mode: Keras variables assigned from the data (other than the
+  random state of a SeedGenerator) in training mode, and raw ``tf.Variable``
+  writes in either (any write op: Keras variables write no op inside a
+  StatelessScope), are refused.
   """
   seeds = {id(sg.state) for sg in _compat.seed_generators(model)}
   assigned = []
 
-  def trace(probe):
+  def trace(probe, training):
     params = [tf.zeros(v.shape, v.dtype) for v in model.trainable_variables]
     state = [tf.zeros(v.shape, v.dtype)
              for v in model.non_trainable_variables]
-    _, updated = model.stateless_call(params, state, probe, training=True)
-    assigned.extend(v.path for v, new, old in zip(
-        model.non_trainable_variables, updated, state)
-                    if new is not old and id(v) not in seeds)
+    _, updated = model.stateless_call(params, state, probe, training=training)
+    if training:  # (inference-mode Keras writes are discarded, as here)
+      assigned.extend(v.path for v, new, old in zip(
+          model.non_trainable_variables, updated, state)
+                      if new is not old and id(v) not in seeds)
     return 0
 
   spec = tf.nest.map_structure(
       lambda t: tf.TensorSpec([1] + list(t.shape[1:]), t.dtype), inputs)
-  traced = tf.function(trace).get_concrete_function(spec).graph
-  writes = graph.variable_writes(traced.get_operations())
+  writes = []
+  # Both modes: the train step also runs the model in inference mode (its
+  # first-step check), and a raw write there would persist.
+  for training in (True, False):
+    traced = tf.function(lambda p, t=training: trace(p, t)
+                         ).get_concrete_function(spec).graph
+    writes += graph.variable_writes(traced.get_operations())
   if assigned or writes:
     what = (f"assigns {assigned}" if assigned
             else f"writes a tf.Variable ({writes[:3]})")

@@ -318,6 +318,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._max_batch_units = scalar("dp_max_batch_units")
     self._noise_variance = scalar("dp_noise_variance", "float32")
     self._max_physical_examples = scalar("dp_max_physical_examples")
+    # Examples in all physical batches: more than (passes) x N means the
+    # recorded epochs were not passes over the data (accounting.ledger).
+    self._examples_seen = scalar("dp_examples_seen")
     # What ran, for the once-per-epoch accounting: epochs and their batches
     # (accounting.ledger), saved and restored with the optimizer.
     self._ledger_variable = self.add_variable(
@@ -549,8 +552,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
       # records B (Abadi et al. 2016; Opacus normalises the same way).
       num_units = num_examples = tf.constant(self.expected_batch_size,
                                              tf.int64)
-    self._max_physical_examples.assign(
-        tf.maximum(self._max_physical_examples, num_examples))
+    self._note_physical_batch(num_examples)
     if self.accumulation_steps == 1:
       self._release(clipped_sum, squares, num_units, num_examples,
                     trainable_variables)
@@ -634,10 +636,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._query_state(), result.grads, norms, variables, mask)
     self._release_sample(sample, num_units, num_examples, variables)
 
-  def _release_sample(self, sample, num_units, num_examples, variables):
-    num_examples = tf.cast(num_examples, tf.int64)
+  def _note_physical_batch(self, num_examples):
     self._max_physical_examples.assign(
         tf.maximum(self._max_physical_examples, num_examples))
+    self._examples_seen.assign_add(num_examples)
+
+  def _release_sample(self, sample, num_units, num_examples, variables):
+    num_examples = tf.cast(num_examples, tf.int64)
+    self._note_physical_batch(num_examples)
     self._release(sample, None, tf.cast(num_units, tf.int64), num_examples,
                   variables)
 
@@ -943,7 +949,15 @@ class DPOptimizer(keras.optimizers.Optimizer):
     physical = int(self._max_physical_examples.numpy())
     longest = (events.batches_per_epoch(num_examples, physical)
                if num_examples and physical else None)
-    return self.accounting_ledger.structure(extra_epoch_batches, longest)
+    structure = self.accounting_ledger.structure(extra_epoch_batches, longest)
+    if num_examples and int(self._examples_seen.numpy()) > num_examples * (
+        structure.passes + structure.unknown_batches):
+      # More examples went through than the recorded passes hold (a
+      # repeated dataset cut into epochs by steps_per_epoch): the epochs
+      # were not passes over the data.
+      structure = self.accounting_ledger.structure(extra_epoch_batches,
+                                                   conservative=True)
+    return structure
 
   def dp_event(self, num_examples, batch_size=None, sampling="poisson",
                steps=None, extra_epoch_batches=0):
