@@ -485,3 +485,16 @@ def test_recurrent_models_clip_exactly_in_a_per_unit_loop(rnn):
   model.compile(optimizer=dp.DPAdamBC(1.0, 1.0), loss=LOSS, jit_compile=True)
   history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
   assert np.isfinite(history.history["loss"][0])
+
+
+def test_a_recurrent_model_running_python_in_its_loop_is_refused():
+  # Units evaluated one after another could pass data through Python state.
+  model = keras.Sequential([
+      keras.Input((6, 3)), keras.layers.SimpleRNN(4),
+      keras.layers.Lambda(lambda t: t + tf.ensure_shape(tf.py_function(
+          lambda: 0.0, [], tf.float32), [])),
+      keras.layers.Dense(3)])
+  x = np.random.default_rng(24).normal(size=(8, 6, 3)).astype("float32")
+  y = np.zeros(8, "int32")
+  with pytest.raises(ValueError, match="Python functions"):
+    ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None, method="auto")

@@ -19,6 +19,7 @@ import warnings
 import tensorflow as tf
 
 from tf_dpadambc.core import _pfor_compat
+from tf_dpadambc.core import graph
 
 _pfor_compat.install()
 
@@ -112,31 +113,38 @@ def sequential_units(enabled=True):
     _SEQUENTIAL.pop()
 
 
-def map_units(fn, units):
-  """``fn`` on every unit alone, results stacked: ``tf.vectorized_map``, or
-  a ``tf.map_fn`` loop where TensorFlow cannot vectorize ``fn`` (or inside
-  :func:`sequential_units`).
+_PYTHON_OPS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
 
-  Both have the semantics of a loop over units (no unit sees another), so
-  either is exact; the loop is slower (units one after another), and says
-  so.
+
+def map_units(fn, units):
+  """``fn`` on every unit alone, results stacked.
+
+  ``tf.vectorized_map`` (an op without a vectorization rule is an error, never
+  a silent loop), or inside :func:`sequential_units` a ``tf.map_fn`` loop.
+  Both have the semantics of a loop over units. A sequential loop could pass
+  data from one unit to the next through state, so its body is traced first
+  and refused if it writes a variable or runs Python (``tf.py_function``).
   """
-  def loop(reason):
-    first = tf.nest.map_structure(lambda t: t[0], units)
-    signature = tf.nest.map_structure(
-        lambda t: tf.TensorSpec(t.shape, t.dtype), fn(first))
-    warnings.warn(
-        f"Per-example computation in a tf.map_fn loop ({reason}): exact, "
-        "slower than vectorized.", stacklevel=3)
-    return tf.map_fn(fn, units, fn_output_signature=signature)
-  if _SEQUENTIAL and _SEQUENTIAL[-1]:
-    return loop("recurrent layers cannot be vectorized")
-  try:
+  if not (_SEQUENTIAL and _SEQUENTIAL[-1]):
     return tf.vectorized_map(fn, units, fallback_to_while_loop=False)
-  except (TypeError, ValueError, NotImplementedError,
-          tf.errors.InvalidArgumentError) as e:
-    return loop(f"tf.vectorized_map: {type(e).__name__}: "
-                f"{str(e).splitlines()[-1][:160]}")
+  spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape[1:], t.dtype), units)
+  body = tf.function(fn).get_concrete_function(spec)
+  operations = body.graph.get_operations()
+  stateful = graph.variable_writes(operations) + [
+      op.name for op in operations if op.type in _PYTHON_OPS]
+  if stateful:
+    raise ValueError(
+        "Per-example computation in a loop over units (recurrent layers) "
+        f"must not write variables or run Python functions ({stateful[:3]}): "
+        "one unit could pass its data to the next. Remove them from the "
+        "model's forward pass.")
+  signature = tf.nest.map_structure(
+      lambda t: tf.TensorSpec(t.shape, t.dtype), body.structured_outputs)
+  warnings.warn("Per-example computation in a tf.map_fn loop (recurrent "
+                "layers cannot be vectorized): exact, slower than the other "
+                "layers.", stacklevel=3)
+  return tf.map_fn(fn, units, fn_output_signature=signature)
 
 
 def _unit_gradient(unit_loss_fn, params, unit):
