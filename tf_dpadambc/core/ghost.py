@@ -147,14 +147,17 @@ def linear_square_sum(a, delta, weights):
   squares); otherwise the per-unit gradients are materialized.
   """
   a, delta = tf.convert_to_tensor(a), tf.convert_to_tensor(delta)
-  keep = weights != 0
-  a, delta = masked(a, keep), masked(delta, keep)
+  dtype, keep = a.dtype, weights != 0
+  # float64, as the norms (see linear_grad).
+  a = masked(tf.cast(a, tf.float64), keep)
+  delta = masked(tf.cast(delta, tf.float64), keep)
+  weights = tf.cast(weights, tf.float64)
   if a.shape[1] == 1:
-    return tf.matmul(tf.square(a[:, 0]),
-                     tf.square(delta[:, 0] * weights[:, None]),
-                     transpose_a=True)
-  return weighted_sum(tf.square(tf.einsum("utp,utd->upd", a, delta)),
-                      tf.square(weights))
+    return tf.cast(tf.matmul(tf.square(a[:, 0]),
+                             tf.square(delta[:, 0] * weights[:, None]),
+                             transpose_a=True), dtype)
+  return tf.cast(weighted_sum(tf.square(tf.einsum("utp,utd->upd", a, delta)),
+                              tf.square(weights)), dtype)
 
 
 def broadcast_grads(delta, param_shape):
