@@ -993,3 +993,28 @@ def test_one_example_moves_the_update_by_at_most_c_or_training_refuses(
   with_it, without = updates
   moved = _global_norm([a - b for a, b in zip(with_it, without)])
   assert 0.5 * _CLIP / _B < moved <= _CLIP / _B * (1 + 1e-5)
+
+
+class _PythonState(tf_keras.layers.Layer):
+  """Runs Python in its forward pass: in a loop over units, Python state
+  could carry one unit's data to the next."""
+
+  def call(self, inputs):
+    extra = tf.py_function(lambda: np.float32(0.0), [], tf.float32)
+    return inputs + tf.ensure_shape(extra, [])
+
+
+def test_python_in_a_looped_forward_pass_is_refused():
+  # The embedding's gradient is looped by TensorFlow (see above).
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 10, size=(4, 3)).astype("int32")
+  y = rng.integers(0, 3, size=4).astype("int32")
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([
+      tf_keras.layers.Embedding(10, 2, input_length=3), _PythonState(),
+      tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+  init = [w.numpy() for w in model.trainable_variables]
+  with pytest.raises(ValueError, match="runs Python|cannot be evaluated"):
+    _sgd_step(model, x, y, None, 0.2, 0.3)
+  for w, w0 in zip(model.trainable_variables, init):
+    np.testing.assert_array_equal(w.numpy(), w0)

@@ -86,3 +86,16 @@ def variable_writes(ops, allowed=lambda op: False):
                                                         op.node_def.attr)):
       found.append(op.name)
   return found
+
+
+_PYTHON_OPS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
+
+
+def python_calls(ops):
+  """Names of the ops among ``ops`` (and the functions they call) that run
+  Python (``tf.py_function``, ``tf.numpy_function``): in a loop over units
+  their Python state could carry one unit's data to the next."""
+  return [op.name for op in ops
+          if op.type in _PYTHON_OPS or any(
+              t in _PYTHON_OPS for t in _function_ops(op.graph,
+                                                      op.node_def.attr))]

@@ -113,9 +113,6 @@ def sequential_units(enabled=True):
     _SEQUENTIAL.pop()
 
 
-_PYTHON_OPS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
-
-
 def map_units(fn, units):
   """``fn`` on every unit alone, results stacked.
 
@@ -131,8 +128,8 @@ def map_units(fn, units):
       lambda t: tf.TensorSpec(t.shape[1:], t.dtype), units)
   body = tf.function(fn).get_concrete_function(spec)
   operations = body.graph.get_operations()
-  stateful = graph.variable_writes(operations) + [
-      op.name for op in operations if op.type in _PYTHON_OPS]
+  stateful = graph.variable_writes(operations) + graph.python_calls(
+      operations)
   if stateful:
     raise ValueError(
         "Per-example computation in a loop over units (recurrent layers) "

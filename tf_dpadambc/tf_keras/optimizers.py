@@ -53,6 +53,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_dpadambc.core import clipping
+from tf_dpadambc.core import graph
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import optimizers as keras3_optimizers
 from tf_dpadambc.keras.optimizers import base
@@ -124,8 +125,8 @@ _JACOBIAN_ERROR = (
     "that does mix examples.")
 
 _STATE_ERROR = (
-    "tf_dpadambc: the model writes variables during its forward pass "
-    "({ops}). Evaluated per example, the examples would share that state, and "
+    "tf_dpadambc: the model writes variables (or, evaluated in a loop, runs "
+    "Python) during its forward pass ({ops}). Evaluated per example, the examples would share that state, and "
     "state written from the data between steps is released without noise: "
     "differentially private training cannot use such a layer (for batch "
     "normalization use LayerNormalization or GroupNormalization). Remove "
@@ -592,8 +593,8 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
       for i, t in zip(present, unit_leaves):
         unit[i] = t
       unit = tf.nest.pack_sequence_as(data, unit)
-      graph = tf.compat.v1.get_default_graph()
-      start = len(graph.get_operations())
+      trace = tf.compat.v1.get_default_graph()
+      start = len(trace.get_operations())
       if var_list is None:
         loss, grads = unit_loss(unit), []
       else:
@@ -603,7 +604,7 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(
             loss, var_list,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)]
-      recorded.extend(graph.get_operations()[start:])
+      recorded.extend(trace.get_operations()[start:])
       return grads, tf.cast(loss, tf.float32)
 
     signature = ([tf.TensorSpec(v.shape, v.dtype.base_dtype)
@@ -625,6 +626,8 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         errors.append(f"{how}: {type(error).__name__}: {error}")
         continue
       writes = _compat.state_writes(recorded, model)
+      if how != "vectorized":  # units one after another: no Python state
+        writes += graph.python_calls(recorded)
       if writes:
         raise ValueError(_STATE_ERROR.format(ops=", ".join(writes[:5])))
       return (None if var_list is None else grads), losses, recorded, how
