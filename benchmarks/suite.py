@@ -4,6 +4,8 @@
     python benchmarks/suite.py --quick              # batch 256, 3 small models, few steps
     python benchmarks/suite.py --models mlp embedding_bag --batch-sizes 1024
     python benchmarks/suite.py --tfp-python .venv-tfp/bin/python --json results.json
+    python benchmarks/suite.py --jaxp-python .venv-jaxp/bin/python   # + jax_privacy
+    python benchmarks/suite.py --device gpu         # the same table on a GPU
 
 What is measured, side by side on synthetic data (benchmarks/bench_models.py:
 MLP 784-128-10, TF-Privacy's tutorial MNIST CNN, the DP-AdamBC paper's CIFAR-10
@@ -28,6 +30,21 @@ MLP 784-128-10, TF-Privacy's tutorial MNIST CNN, the DP-AdamBC paper's CIFAR-10
   only when that interpreter can import ``tf_keras`` and TF-Privacy's
   submodules; otherwise the suite says so and leaves them out. Ratios of
   these rows are to the Keras 3 non-private baseline.
+
+- jax_privacy 2.x's Keras API on Keras 3's JAX backend (``--jaxp-python``,
+  ``KERAS_BACKEND=jax`` in processes of their own, no TensorFlow there):
+  ``JAX Adam (non-private)`` and ``jax_privacy make_private`` (its DP-SGD
+  clipping and noise, per-example gradients by ``jax.vmap``, feeding the
+  compiled Adam; noise multiplier fixed, not calibrated), with its default
+  (the whole batch in one ``vmap``) and with ``microbatch_size=32`` (a
+  ``scan`` over vmapped chunks: 10-20x faster on this CPU). Their ratios are
+  to the JAX non-private row; the targets compare the faster one's ms/step
+  with DPAdamBC's. Peak memory there is the RSS view (JAX keeps no allocator
+  statistics on the CPU).
+
+``--device``: ``cpu`` hides every GPU (``CUDA_VISIBLE_DEVICES=-1``, and
+``JAX_PLATFORMS=cpu``), ``gpu`` refuses to run without one, ``auto`` (the
+default) measures on ``GPU:0`` where TensorFlow sees one.
 
 How: every configuration runs in a process of its own (allocator pools and
 peaks do not mix; a crash or a timeout costs one row: a fork of a server that
@@ -75,6 +92,12 @@ dp-accounting, so keep it apart; Python 3.11):
     .venv-tfp/bin/pip install "tensorflow==2.21.*" "tf_keras==2.21.*" \
         "tensorflow-privacy==0.9.0"
     python benchmarks/suite.py --tfp-python .venv-tfp/bin/python
+
+jax_privacy environment (JAX only, no TensorFlow):
+
+    python3.11 -m venv .venv-jaxp
+    .venv-jaxp/bin/pip install "jax-privacy>=2" "keras==3.*"
+    python benchmarks/suite.py --jaxp-python .venv-jaxp/bin/python
 """
 import argparse
 import contextlib
@@ -103,11 +126,21 @@ KERAS3_CONFIGS = ("Adam", "DPAdam", "DPAdamBC", "DPAdamSTP",
 TFP_CONFIGS = ("TFP DPKerasAdamOptimizer", "TFP DPSequential",
                "DPKerasAdamOptimizer (ours, tf_keras)",
                "DPAdam (query=QuantileAdaptiveClipSumQuery)")
+# Configurations in the jax_privacy environment (--jaxp-python): Keras 3 on
+# the JAX backend (KERAS_BACKEND=jax), its own non-private baseline, and
+# jax_privacy 2.x's Keras API -- the alternative a Keras 3 user would pick.
+JAX_BASELINE = "JAX Adam (non-private)"
+JAXP_MICROBATCH = 32
+JAXP_CONFIGS = (JAX_BASELINE, "jax_privacy make_private",
+                f"jax_privacy make_private (microbatch_size={JAXP_MICROBATCH})")
 BASELINE = "Adam"
 CLIP, NOISE, LR = 1.0, 1.0, 1e-3
 RESULT_MARK = "SUITE-RESULT "
+_KIND_VARIABLE = "TF_DPADAMBC_SUITE_RUNNER"  # which environment a server is
 TFP_SKIP_MESSAGE = ("TF-Privacy skipped: install tensorflow-privacy and "
                     "tf_keras (Python < 3.12) or pass --tfp-python")
+JAXP_SKIP_MESSAGE = ("jax_privacy skipped: pass --jaxp-python, an interpreter "
+                     "with jax-privacy>=2 and keras (see the docstring)")
 
 # Steps: (warm-up, min timed, max timed, budget s, hard budget s).
 DEFAULT_STEPS = dict(warmup=1, min_steps=3, max_steps=20, budget=2.0,
@@ -142,12 +175,13 @@ class _Memory:
   """Peak memory of the timed steps (see the module docstring)."""
 
   def __init__(self, tf):
-    self.tf = tf
-    gpu = bool(tf.config.list_physical_devices("GPU"))
+    self.tf = tf  # None: not TensorFlow (the JAX worker), the RSS only
+    gpu = tf is not None and bool(tf.config.list_physical_devices("GPU"))
     self.device = "GPU:0" if gpu else "CPU:0"
-    self.allocator = True
+    self.allocator = tf is not None
     try:  # TensorFlow's allocator statistics (BFC pools: GPU; oneDNN: CPU).
-      tf.config.experimental.get_memory_info(self.device)
+      if tf is not None:
+        tf.config.experimental.get_memory_info(self.device)
     except Exception:  # noqa: BLE001 -- no statistics: fall back to the RSS
       if gpu:
         raise
@@ -311,6 +345,41 @@ def _build_keras3(name, config, batch_size):
   return model, keras, info
 
 
+def _arrays(name, batch_size, steps, distinct=4):
+  """The same batches as :func:`_dataset`, as NumPy arrays of ``steps``."""
+  import numpy as np
+  x, y = bench_models.synthetic_data(name, distinct * batch_size)
+  reps = -(-steps // distinct)
+  return (np.concatenate([x] * reps)[:steps * batch_size],
+          np.concatenate([y] * reps)[:steps * batch_size])
+
+
+def _build_jax(name, config, batch_size, steps):
+  """Keras 3 on JAX: non-private Adam, or jax_privacy's ``make_private``
+  (DP-SGD's clipping and noise, then the compiled Adam: DP-Adam)."""
+  import keras
+  build = bench_models.MODELS[name][0]
+  keras.utils.set_random_seed(0)
+  model = build(keras)
+  model.compile(optimizer=keras.optimizers.Adam(LR),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True), jit_compile=True)
+  info = {"backend": keras.backend.backend()}
+  if config != JAX_BASELINE:
+    import jax_privacy
+    from jax_privacy import keras_api
+    # A huge ε target: the noise multiplier is fixed (NOISE), not calibrated.
+    params = keras_api.DPKerasConfig(
+        epsilon=1e9, delta=1e-5, clipping_norm=CLIP, batch_size=batch_size,
+        gradient_accumulation_steps=1, train_steps=steps,
+        train_size=steps * batch_size, noise_multiplier=NOISE,
+        rescale_to_unit_norm=False, seed=0,
+        microbatch_size=JAXP_MICROBATCH if "microbatch" in config else None)
+    model = keras_api.make_private(model, params)
+    info["jax_privacy"] = getattr(jax_privacy, "__version__", "?")
+  return model, keras, info
+
+
 def _import_tfp():
   sys.skip_tf_privacy_import = True
   # pylint: disable=g-import-not-at-top
@@ -398,24 +467,34 @@ def _condense(error):
 def measure(name, config, batch_size, warmup=1, min_steps=3, max_steps=20,
             budget=2.0, hard_budget=6.0):
   """Trains ``name`` under ``config`` in this process; returns a result dict."""
-  import tensorflow as tf
   result = dict(model=name, config=config, batch_size=batch_size)
   started = time.perf_counter()
+  total = warmup + max_steps
   try:
-    result["pool_reserved_mib"] = _reserve_cpu_pool(tf)
-    if config in TFP_CONFIGS:
-      model, k, info = _build_tfp(name, config, batch_size)
+    if config in JAXP_CONFIGS:  # no TensorFlow in this worker
+      tf = None
+      model, k, info = _build_jax(name, config, batch_size, total)
     else:
-      model, k, info = _build_keras3(name, config, batch_size)
+      import tensorflow as tf
+      result["pool_reserved_mib"] = _reserve_cpu_pool(tf)
+      if config in TFP_CONFIGS:
+        model, k, info = _build_tfp(name, config, batch_size)
+      else:
+        model, k, info = _build_keras3(name, config, batch_size)
     result.update(info)
     if model is None:
       return result
-    data = _dataset(tf, name, batch_size)
     memory = _Memory(tf)
     timer = _timer_class(k)(memory, warmup, min_steps, max_steps, budget,
                             hard_budget)
-    model.fit(data, epochs=1, steps_per_epoch=warmup + max_steps, verbose=0,
-              shuffle=False, callbacks=[timer])
+    if tf is None:
+      x, y = _arrays(name, batch_size, total)
+      model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0,
+                shuffle=False, callbacks=[timer])
+    else:
+      model.fit(_dataset(tf, name, batch_size), epochs=1,
+                steps_per_epoch=total, verbose=0, shuffle=False,
+                callbacks=[timer])
     steps = [d * 1000 for d in timer.durations]
     if not steps:
       raise RuntimeError("no step was timed")
@@ -474,14 +553,19 @@ def _worker(spec):
   print(RESULT_MARK + json.dumps(out), flush=True)
 
 
-def _preload(tfp):
+def _preload(kind):
   """Imports what the configurations need, without starting TF's runtime."""
+  if kind == "jaxp":
+    import jax_privacy
+    import keras  # noqa: F401
+    from jax_privacy import keras_api  # noqa: F401
+    return {"version": getattr(jax_privacy, "__version__", "?")}
   import tensorflow  # noqa: F401
-  if tfp:
+  if kind == "tfp":
     import tf_keras  # noqa: F401
     _import_tfp()
     import tensorflow_privacy
-    return {"tfp_version": getattr(tensorflow_privacy, "__version__", "?")}
+    return {"version": getattr(tensorflow_privacy, "__version__", "?")}
   import keras  # noqa: F401
   import tf_dpadambc  # noqa: F401
   return {}
@@ -502,7 +586,7 @@ def _serve():
   answer = os.fdopen(os.dup(1), "w")
   os.dup2(2, 1)  # stray prints of the imports go to stderr
   try:
-    extra = _preload(os.environ.get("TF_USE_LEGACY_KERAS") == "1")
+    extra = _preload(os.environ.get(_KIND_VARIABLE, "keras3"))
   except Exception as e:  # noqa: BLE001 -- reported to the driver
     answer.write(json.dumps({"fail": _condense(e)}) + "\n")
     answer.flush()
@@ -579,12 +663,18 @@ class _Runner:
   time), as does a platform without ``os.fork``.
   """
 
-  def __init__(self, python, tfp=False, fresh=False):
-    self.python, self.tfp = python, tfp
+  def __init__(self, python, kind="keras3", fresh=False, device="auto"):
+    self.python, self.kind = python, kind
     self.fresh = fresh or not hasattr(os, "fork")
-    self.env = dict(os.environ)
-    if tfp:
+    self.env = dict(os.environ, **{_KIND_VARIABLE: kind})
+    if kind == "tfp":
       self.env["TF_USE_LEGACY_KERAS"] = "1"
+    if kind == "jaxp":
+      self.env["KERAS_BACKEND"] = "jax"
+      if device == "cpu":
+        self.env["JAX_PLATFORMS"] = "cpu"
+    if device == "cpu":  # hide any GPU from TensorFlow
+      self.env["CUDA_VISIBLE_DEVICES"] = "-1"
     limit = _memory_limit()
     if limit and "TF_MKL_ALLOC_MAX_BYTES" not in self.env:
       # Caps TensorFlow's CPU allocator: a configuration that needs more
@@ -595,7 +685,9 @@ class _Runner:
   def start(self):
     """(True, details) once ready; (False, why) if the imports fail."""
     if self.fresh:
-      return tfp_available(self.python) if self.tfp else (True, {})
+      if self.kind == "keras3":
+        return True, {}
+      return available(self.python, self.kind)
     import tempfile
     self.stderr = tempfile.TemporaryFile()
     try:
@@ -678,15 +770,22 @@ def _run_subprocess(python, spec, env=None, timeout=None):
   return None, f"worker exited {proc.returncode}: {' | '.join(tail)}"[:1000]
 
 
-def tfp_available(python):
-  """(True, details) if ``python`` imports tf_keras and TF-Privacy's modules."""
-  code = ("import sys; sys.skip_tf_privacy_import = True\n"
-          "import tf_keras\n"
-          "from tensorflow_privacy.privacy.keras_models import dp_keras_model\n"
-          "from tensorflow_privacy.privacy.optimizers import "
-          "dp_optimizer_keras\n"
-          "import tensorflow_privacy as t; print('TFP', t.__version__)")
-  env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+def available(python, kind):
+  """(True, details) if ``python`` imports what runner ``kind`` needs."""
+  if kind == "jaxp":
+    code = ("import jax_privacy as t, keras\n"
+            "from jax_privacy import keras_api\n"
+            "print('VERSION', getattr(t, '__version__', '?'))")
+    env = dict(os.environ, KERAS_BACKEND="jax")
+  else:
+    code = ("import sys; sys.skip_tf_privacy_import = True\n"
+            "import tf_keras\n"
+            "from tensorflow_privacy.privacy.keras_models import "
+            "dp_keras_model\n"
+            "from tensorflow_privacy.privacy.optimizers import "
+            "dp_optimizer_keras\n"
+            "import tensorflow_privacy as t; print('VERSION', t.__version__)")
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
   try:
     proc = subprocess.run([python, "-c", code], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
@@ -694,27 +793,33 @@ def tfp_available(python):
     return False, str(e)
   if proc.returncode != 0:
     return False, (proc.stderr.strip().splitlines() or ["?"])[-1]
-  version = [l for l in proc.stdout.splitlines() if l.startswith("TFP")]
-  return True, {"tfp_version": version[-1][4:] if version else "?"}
+  version = [l for l in proc.stdout.splitlines() if l.startswith("VERSION")]
+  return True, {"version": version[-1][8:] if version else "?"}
 
 
 def run_suite(models, batch_sizes, steps=None, isolate=True, tfp_python=None,
               timeout=420, tfp_timeout=90, configs=None, fresh=False,
-              log=print):
+              jaxp_python=None, device="auto", log=print):
   """Measures every (batch size, model, configuration); returns (info, results).
 
   ``isolate=False`` runs the Keras 3 configurations in this process (for
-  tests) and never TF-Privacy. ``tfp_python``: the interpreter for the
-  TF-Privacy configurations, ``False`` to leave them out. ``configs``: the
-  configurations to run (default: all; the baseline always runs). ``fresh``:
-  a new interpreter per configuration instead of the fork server.
+  tests) and never TF-Privacy or JAX. ``tfp_python``: the interpreter for the
+  TF-Privacy configurations, ``False`` to leave them out. ``jaxp_python``:
+  the interpreter for the jax_privacy configurations (None: left out).
+  ``configs``: the configurations to run (default: all; the baseline always
+  runs). ``fresh``: a new interpreter per configuration instead of the fork
+  server. ``device``: "cpu" hides every GPU; "gpu" requires one; "auto"
+  uses a GPU where there is one.
   """
-  wanted = set(configs or KERAS3_CONFIGS + TFP_CONFIGS) | {BASELINE}
+  wanted = set(configs or KERAS3_CONFIGS + TFP_CONFIGS + JAXP_CONFIGS) | {
+      BASELINE}
+  if wanted & set(JAXP_CONFIGS):
+    wanted.add(JAX_BASELINE)
   steps = dict(DEFAULT_STEPS, **(steps or {}))
   runners = {}
   try:
     if isolate:
-      runners["keras3"] = _Runner(sys.executable, fresh=fresh)
+      runners["keras3"] = _Runner(sys.executable, fresh=fresh, device=device)
       ok, why = runners["keras3"].start()
       info, error = (runners["keras3"].run({"probe": True}, timeout) if ok
                      else (None, why))
@@ -722,6 +827,9 @@ def run_suite(models, batch_sizes, steps=None, isolate=True, tfp_python=None,
         raise RuntimeError(f"probe failed: {error}")
     else:
       info = machine_info()
+    if device == "gpu" and not info["gpus"]:
+      raise RuntimeError("--device gpu: TensorFlow sees no GPU here")
+    info["device"] = "GPU:0" if info["gpus"] else "CPU:0"
     configs = [c for c in KERAS3_CONFIGS if c in wanted]
     info["tfp"] = None
     if not wanted & set(TFP_CONFIGS):
@@ -731,18 +839,34 @@ def run_suite(models, batch_sizes, steps=None, isolate=True, tfp_python=None,
                              "TF-Privacy skipped: it runs only in subprocesses")
     else:
       python = tfp_python or sys.executable
-      runners["tfp"] = _Runner(python, tfp=True, fresh=fresh)
+      runners["tfp"] = _Runner(python, kind="tfp", fresh=fresh,
+                               device=device)
       ok, detail = runners["tfp"].start()
       if ok:
-        info["tfp"] = dict(python=python,
-                           version=detail.get("tfp_version", "?"))
+        info["tfp"] = dict(python=python, version=detail.get("version", "?"))
         configs += [c for c in TFP_CONFIGS if c in wanted]
       else:
         info["tfp_skipped"] = f"{TFP_SKIP_MESSAGE} ({python}: {detail})"
+    info["jaxp"] = None
+    if not wanted & set(JAXP_CONFIGS):
+      info["jaxp_skipped"] = "jax_privacy not run: not among --configs"
+    elif not jaxp_python or not isolate:
+      info["jaxp_skipped"] = JAXP_SKIP_MESSAGE
+    else:
+      runners["jaxp"] = _Runner(jaxp_python, kind="jaxp", fresh=fresh,
+                                device=device)
+      ok, detail = runners["jaxp"].start()
+      if ok:
+        info["jaxp"] = dict(python=jaxp_python,
+                            version=detail.get("version", "?"))
+        configs += [c for c in JAXP_CONFIGS if c in wanted]
+      else:
+        info["jaxp_skipped"] = f"{JAXP_SKIP_MESSAGE} ({jaxp_python}: {detail})"
     info["load_before"] = _load()
     log(_machine_line(info) + "; " + info["load_before"])
-    if info.get("tfp_skipped"):
-      log(info["tfp_skipped"])
+    for skipped in ("tfp_skipped", "jaxp_skipped"):
+      if info.get(skipped):
+        log(info[skipped])
     results = []
     for batch_size in batch_sizes:
       for name in models:
@@ -769,7 +893,8 @@ def _one(runners, isolate, name, config, batch_size, steps, timeout):
   elif not isolate:
     result = measure(**spec)
   else:
-    runner = runners["tfp" if config in TFP_CONFIGS else "keras3"]
+    runner = runners["tfp" if config in TFP_CONFIGS else
+                     "jaxp" if config in JAXP_CONFIGS else "keras3"]
     result, error = runner.run(spec, timeout)
     if result is None:
       result = dict(model=name, config=config, batch_size=batch_size,
@@ -803,8 +928,13 @@ def _lookup(results, batch_size, name, config):
   return None
 
 
+def _baseline(config):
+  """The non-private configuration a row's ratios are to (its framework's)."""
+  return JAX_BASELINE if config in JAXP_CONFIGS else BASELINE
+
+
 def _ratios(results, r):
-  base = _lookup(results, r["batch_size"], r["model"], BASELINE)
+  base = _lookup(results, r["batch_size"], r["model"], _baseline(r["config"]))
   ok = (r.get("status") == "ok" and base is not None
         and base.get("status") == "ok")
   time_ratio = r["ms_per_step"] / base["ms_per_step"] if ok else None
@@ -870,6 +1000,18 @@ def targets(results, batch_sizes):
       lines.append(f"{verdict(q >= 30)} DPKerasAdamOptimizer/DPAdamBC >= 30x,"
                    f" mlp, batch {b}: {q:.1f}x ({keras_opt['ms_per_step']:.0f}"
                    f" vs {bc['ms_per_step']:.1f} ms)")
+    for name in sorted({r["model"] for r in results if r["batch_size"] == b}):
+      ours = _lookup(results, b, name, "DPAdamBC")
+      peers = [r for r in (_lookup(results, b, name, c)
+                           for c in JAXP_CONFIGS[1:])
+               if r and r.get("status") == "ok"]
+      if ours and ours.get("status") == "ok" and peers:
+        peer = min(peers, key=lambda r: r["ms_per_step"])
+        lines.append(
+            f"{verdict(ours['ms_per_step'] < peer['ms_per_step'])} DPAdamBC "
+            f"faster than {peer['config']} (JAX), {name}, batch {b}: "
+            f"{ours['ms_per_step']:.1f} vs {peer['ms_per_step']:.1f} ms "
+            f"({peer['ms_per_step'] / ours['ms_per_step']:.2f}x)")
     seq = _lookup(results, b, "mlp", "TFP DPSequential")
     if bc and seq and bc.get("status") == "ok" and seq.get("status") == "ok":
       lines.append(f"{verdict(bc['ms_per_step'] < seq['ms_per_step'])} "
@@ -911,8 +1053,17 @@ def main(argv=None):
                       "(default: this one)")
   parser.add_argument("--no-tfp", action="store_true",
                       help="leave TF-Privacy out")
+  parser.add_argument("--jaxp-python", default=None,
+                      help="interpreter with jax-privacy>=2 and keras: adds "
+                      "jax_privacy's Keras API on the JAX backend (default: "
+                      "left out)")
+  parser.add_argument("--device", choices=("auto", "cpu", "gpu"),
+                      default="auto",
+                      help="cpu hides every GPU; gpu requires one; auto "
+                      "(default) uses a GPU where there is one")
   parser.add_argument("--configs", nargs="+", default=None,
-                      choices=list(KERAS3_CONFIGS + TFP_CONFIGS),
+                      choices=list(KERAS3_CONFIGS + TFP_CONFIGS
+                                   + JAXP_CONFIGS),
                       help="configurations to run (default: all; the "
                       "non-private baseline always runs)")
   parser.add_argument("--json", default=None, help="save raw results here")
@@ -955,7 +1106,7 @@ def main(argv=None):
       args.models, batch_sizes, steps,
       tfp_python=False if args.no_tfp else args.tfp_python,
       timeout=args.timeout, tfp_timeout=args.tfp_timeout, configs=args.configs,
-      fresh=args.fresh)
+      fresh=args.fresh, jaxp_python=args.jaxp_python, device=args.device)
   elapsed = time.perf_counter() - started
   if args.stat == "best":
     for r in results:
@@ -970,6 +1121,12 @@ def main(argv=None):
           f"{info['tfp']['python']}")
   else:
     print(info.get("tfp_skipped", ""))
+  if info.get("jaxp"):
+    print(f"jax_privacy {info['jaxp']['version']} (Keras 3, JAX backend) "
+          f"under {info['jaxp']['python']}; its ratios are to "
+          f"'{JAX_BASELINE}' of the same run")
+  else:
+    print(info.get("jaxp_skipped", ""))
   methods = sorted({r["mem_method"] for r in results if r.get("mem_method")})
   print(f"ms/step: {args.stat} of the timed steps ({steps['warmup']} warm-up "
         f"step(s) untimed); peak MiB: peak memory of the timed steps above the"

@@ -44,3 +44,26 @@ def test_table_and_targets(run):
   targets = suite.targets(results, [32])
   assert any(line.startswith(("PASS", "MISS")) and "mlp, batch 32" in line
              for line in targets)
+
+
+def _row(model, config, ms, peak=10.0, batch_size=256):
+  return dict(model=model, config=config, batch_size=batch_size,
+              status="ok", ms_per_step=ms, peak_mib=peak)
+
+
+def test_jax_privacy_rows_are_compared_within_their_framework():
+  """jax_privacy's ratios are to the JAX non-private row of the same run, and
+  the target compares DPAdamBC with the faster jax_privacy configuration."""
+  slow, fast = suite.JAXP_CONFIGS[1], suite.JAXP_CONFIGS[2]
+  results = [_row("mlp", "Adam", 2.0), _row("mlp", "DPAdamBC", 3.0),
+             _row("mlp", suite.JAX_BASELINE, 1.0), _row("mlp", slow, 50.0),
+             _row("mlp", fast, 5.0)]
+  rows = {r.split(" | ")[1]: r for r in suite.tables(results, ["mlp"], [256])
+          if r.startswith("| mlp |")}
+  assert "| 1.50x |" in rows["DPAdamBC"]
+  assert "| 50.00x |" in rows[slow] and "| 5.00x |" in rows[fast]
+  lines = [l for l in suite.targets(results, [256]) if "jax_privacy" in l]
+  assert lines == [f"PASS DPAdamBC faster than {fast} (JAX), mlp, batch 256: "
+                   "3.0 vs 5.0 ms (1.67x)"]
+  results[-1]["ms_per_step"] = 2.5
+  assert suite.targets(results, [256])[1].startswith("MISS DPAdamBC faster")
