@@ -498,3 +498,37 @@ def test_a_recurrent_model_running_python_in_its_loop_is_refused():
   y = np.zeros(8, "int32")
   with pytest.raises(ValueError, match="Python functions"):
     ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None, method="auto")
+
+
+def _embedding_sq_norms_reference(ids, delta, vocab):
+  grads = np.zeros((ids.shape[0], vocab, delta.shape[2]))
+  for u in range(ids.shape[0]):
+    np.add.at(grads[u], ids[u], delta[u].astype(np.float64))
+  return np.sum(grads ** 2, axis=(1, 2))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_embedding_norms_of_pooled_gradients_by_counting(jit):
+  """δ rows that are one row per unit (mean pooling; zero rows where padding
+  is masked) take the counting shortcut; any other δ the sorted row sums.
+  Both equal the materialized ‖∇E_u‖² (ids repeat: vocabulary 7)."""
+  rng = np.random.default_rng(3)
+  units, length, vocab, dim = 5, 12, 7, 3
+  ids = rng.integers(0, vocab, (units, length))
+  pooled = np.repeat(rng.normal(size=(units, 1, dim)), length, 1)
+  pooled[:, 8:] = 0.0  # masked padding
+  pooled[1] = 0.0      # a unit with no gradient at all
+  general = pooled.copy()
+  general[2, 3, 0] *= 1 + 2 ** -20  # one row differs: the sorted path
+  norms = tf.function(
+      lambda i, d: ghost.embedding_sq_norms(i, d, vocab), jit_compile=jit)
+  for delta in (pooled, general):
+    np.testing.assert_allclose(
+        norms(tf.constant(ids), tf.constant(delta, tf.float32)).numpy(),
+        _embedding_sq_norms_reference(ids, delta.astype(np.float32), vocab),
+        rtol=1e-6)
+  # The shortcut counts equal ids: with all ids distinct the norm is smaller.
+  distinct = np.tile(np.arange(length), (units, 1)) % vocab
+  assert not np.allclose(
+      _embedding_sq_norms_reference(ids, pooled, vocab),
+      _embedding_sq_norms_reference(distinct, pooled, vocab))

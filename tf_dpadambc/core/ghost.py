@@ -218,20 +218,66 @@ def _segments(ids, delta, vocab_size):
   return sums, unit, token
 
 
+# Most per-unit token counters (int32) the pooled shortcut below allocates.
+_MAX_COUNTERS = 1 << 24
+
+
+def _one_row_per_unit(delta64):
+  """(all, g [U, d], nonzero [U, T]): ``all`` is True when every unit's
+  non-zero δ rows are one and the same row g_u (exactly: the gradient of a
+  mean or sum pooling right after the lookup, padding positions zero)."""
+  nonzero = tf.reduce_any(delta64 != 0, axis=2)
+  first = tf.argmax(tf.cast(nonzero, tf.int32), axis=1, output_type=tf.int32)
+  g = tf.gather(delta64, first, batch_dims=1)
+  same = (delta64 == g[:, None]) | ~nonzero[:, :, None]
+  return tf.reduce_all(same), g, nonzero
+
+
+def _pooled_sq_norms(ids, g, nonzero, vocab_size):
+  """‖∇E_u‖² = ‖g_u‖² Σ_v n_uv² when unit u's non-zero rows all equal g_u
+  (n_uv: its non-zero positions with id v), by counting: no sort."""
+  num_units = tf.shape(ids)[0]
+  keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
+          + tf.range(num_units)[:, None] * vocab_size)
+  counts = tf.math.unsorted_segment_sum(
+      tf.cast(nonzero, tf.float64), keys, num_units * vocab_size)
+  pairs = tf.reduce_sum(tf.square(tf.reshape(counts, [num_units, -1])), 1)
+  return sum_squares(g) * pairs
+
+
+def _sorted_sq_norms(ids, delta64, vocab_size, scale):
+  """‖∇E_u‖² from each unit's row sums, formed by sorting its ids."""
+  sums, _, token = _segments(ids, delta64, vocab_size)
+  if scale is not None:
+    sums *= tf.gather(tf.cast(scale, sums.dtype), token)
+  # Slots are laid out unit by unit, T per unit.
+  return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
+                                  tf.shape(ids)[:2]), 1)
+
+
 def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   """‖∇E_u‖²_F of an embedding lookup: ids [U, T], δ [U, T, d] -> [U].
 
   Unit u's gradient has row Σ_{t: id_t = v} δ_t for every token v it uses;
   the rows are formed by sorting each unit's ids, O(UT log T + UTd), never
   [U, vocab, d]. ``scale`` ([vocab, d]) weights row v by s_v.
+
+  When every unit's non-zero δ rows are one row g_u — checked exactly on
+  the values, as after a mean or sum pooling of the embeddings — the rows
+  are n_uv·g_u and ‖∇E_u‖² = ‖g_u‖²·Σ_v n_uv²: token counts replace the
+  sort (XLA's comparator sort dominates an embedding bag's step on the CPU).
   """
   delta64 = tf.cast(delta, tf.float64)
-  sums, _, token = _segments(ids, delta64, vocab_size)
-  if scale is not None:
-    sums *= tf.gather(tf.cast(scale, sums.dtype), token)
-  # Slots are laid out unit by unit, T per unit.
-  sq = tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
-                                tf.shape(ids)[:2]), 1)
+  sorted_sq = lambda: _sorted_sq_norms(ids, delta64, vocab_size, scale)
+  if scale is None and (ids.shape[0] is None
+                        or ids.shape[0] * vocab_size <= _MAX_COUNTERS):
+    pooled, g, nonzero = _one_row_per_unit(delta64)
+    fits = tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS
+    sq = tf.cond(pooled & fits,
+                 lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+                 sorted_sq)
+  else:
+    sq = sorted_sq()
   bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
   if scale is not None:
     bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
