@@ -532,3 +532,39 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit):
   assert not np.allclose(
       _embedding_sq_norms_reference(ids, pooled, vocab),
       _embedding_sq_norms_reference(distinct, pooled, vocab))
+
+
+@pytest.mark.parametrize("kernel,strides,padding,dilation", [
+    ((3, 3), (1, 1), "valid", (1, 1)),
+    ((3, 2), (2, 1), "same", (1, 1)),
+    ((2, 2), (1, 1), "same", (2, 2)),
+    ((3,), (1,), "causal", (2,)),
+    ((4,), (2,), "valid", (1,)),
+])
+def test_conv_grad_by_patches_equals_the_filter_backprop(kernel, strides,
+                                                         padding, dilation):
+  """The book-kept convolution sum (patches products, reusing per-unit
+  gradients where the norms materialize them) equals TensorFlow's filter
+  gradient of the batch with output gradient w ⊙ δ; a zero-weight unit with
+  non-finite values adds nothing."""
+  rng = np.random.default_rng(5)
+  spatial = (9, 8)[:len(kernel)]
+  x = rng.normal(size=(4, *spatial, 3)).astype("float32")
+  kernel_shape = (*kernel, 3, 5)
+  probe = tf.nn.convolution(
+      ghost._causal(tf.constant(x), kernel, padding, dilation)[0],
+      tf.zeros(kernel_shape), strides=list(strides),
+      padding=("VALID" if padding == "causal" else padding.upper()),
+      dilations=list(dilation))
+  delta = rng.normal(size=probe.shape).astype("float32")
+  weights = np.array([0.5, 0.0, 1.0, 0.25], "float32")
+  x[1, 0] = np.nan  # weight 0: must add exactly 0
+  args = (tf.constant(x), tf.constant(delta), tf.constant(weights),
+          kernel_shape, strides, padding, dilation)
+  x_ref = x.copy()
+  x_ref[1] = 0.0
+  expected = ghost._conv_grad_by_backprop(tf.constant(x_ref), *args[1:])
+  for jit in (False, True):
+    got = tf.function(ghost.conv_grad, jit_compile=jit)(*args)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5,
+                               atol=1e-5)
