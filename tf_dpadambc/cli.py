@@ -55,12 +55,16 @@ def load_tensorflow_quietly():
 def main(argv=None):
   """Entry point of the console script and ``python -m tf_dpadambc``."""
   argv = sys.argv[1:] if argv is None else list(argv)
-  if quiet_tensorflow() and not {"-h", "--help"} & set(argv):
+  subcommand = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+  # The main job's --help needs no TensorFlow; compare's and audit's parsers
+  # (and every run) do.
+  main_job_help = subcommand is None and {"-h", "--help"} & set(argv)
+  if quiet_tensorflow() and not main_job_help:
     load_tensorflow_quietly()
-  if argv[:1] == ["compare"]:
+  if subcommand == "compare":
     from tf_dpadambc import compare  # pylint: disable=import-outside-toplevel
     return compare.main(argv[1:])
-  if argv[:1] == ["audit"]:
+  if subcommand == "audit":
     from tf_dpadambc.audit import cli  # pylint: disable=import-outside-toplevel
     return cli.main(argv[1:])
   from tf_dpadambc import main as main_job  # pylint: disable=import-outside-toplevel
