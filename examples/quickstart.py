@@ -34,5 +34,7 @@ model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
           callbacks=[tf_dpadambc.PrivacyBudget(len(x_train), delta,
                                                sampling="shuffle")])
 
+_, accuracy = model.evaluate(x_test, y_test, verbose=0)
+print(f"Test accuracy: {accuracy:.3f}")
 print(tf_dpadambc.optimizer_privacy_statement(
     model.optimizer, num_examples=len(x_train), delta=delta))

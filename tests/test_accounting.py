@@ -1,4 +1,5 @@
 """ε against dp_accounting computed directly; σ calibration; statements."""
+import logging
 import math
 
 import dp_accounting
@@ -90,3 +91,19 @@ def test_bad_accounting_input(kwargs):
 def test_bad_delta():
   with pytest.raises(ValueError, match="delta"):
     dp.compute_epsilon(1000, 10, 1, 1.0, 0.0)
+
+
+def test_rdp_convergence_warnings_are_dropped_and_numbers_unchanged(caplog):
+  # q = 0.3, σ = 1: dp_accounting cannot evaluate orders 1.1 … 1.8 and warns
+  # once per order; our calls drop that message (scoped to them), and ε is
+  # dp_accounting's own.
+  with caplog.at_level(logging.WARNING):
+    eps = dp.compute_epsilon(1000, 300, 10, 1.0, 1e-5)
+    sigma = dp.compute_noise_multiplier(1000, 300, 10, 8.0, 1e-5)
+  assert not [r for r in caplog.records
+              if "failed to converge" in r.getMessage()]
+  assert sigma > 0
+  with caplog.at_level(logging.WARNING):
+    direct = _direct(0.3, 1.0, 40, 1e-5, "rdp")
+  assert eps == direct
+  assert [r for r in caplog.records if "failed to converge" in r.getMessage()]

@@ -9,7 +9,8 @@ import pytest
 
 import tf_dpadambc
 from tf_dpadambc import compare
-from tf_dpadambc import main as main_lib
+from tf_dpadambc import cli
+from tf_dpadambc import experiments as ex
 from tf_dpadambc.keras.optimizers import __all__ as optimizer_classes
 
 _PNGS = ("accuracy_loss_vs_steps.png", "accuracy_loss_vs_epsilon.png",
@@ -54,7 +55,7 @@ def test_all_means_every_private_variant_and_no_baseline():
   # (Under the default Poisson sampling, less the variants that refuse it.)
   assert set(args.variants) == (set(compare.PRIVATE) - set(args.left_out)
                                 | {"Adam"})
-  for sampling in main_lib.SAMPLINGS:
+  for sampling in ex.SAMPLINGS:
     assert not set(compare.parse_args(
         ["--variants", "all", "--sampling", sampling]).variants) & set(
             compare.NON_PRIVATE)
@@ -98,7 +99,7 @@ def test_unsupported_variant_says_why(capsys):
 
 def test_subcommand_dispatch_and_help_lists_variants(capsys):
   with pytest.raises(SystemExit) as e:
-    main_lib.main(["compare", "--help"])
+    cli.main(["compare", "--help"])
   assert e.value.code == 0
   out = " ".join(capsys.readouterr().out.split())
   assert "tf-dpadambc compare" in out
@@ -106,23 +107,16 @@ def test_subcommand_dispatch_and_help_lists_variants(capsys):
     assert name in out
 
 
-def test_main_job_arguments_unchanged():
-  args = main_lib.parse_args([])
-  assert args.optimizers == list(main_lib.OPTIMIZERS)
-  assert (args.dataset, args.epsilon, args.delta, args.seed,
-          args.sampling) == ("mnist1d", 8.0, 1e-5, 0, "poisson")
-
-
 @pytest.mark.filterwarnings("ignore:NoiselessPreconditionerAdam is NOT")
 def test_default_hparams_reuse_the_tuned_ones():
   # At the main job's tuning point γ' = Φ/2.5 is its tuned 1e-5.
   phi = (1.2614 * 1.0 / 250) ** 2
   hparams, tuned = compare.default_hparams("DPAdamBC", phi)
-  assert tuned and hparams["learning_rate"] == main_lib.TUNED["DPAdamBC"][
+  assert tuned and hparams["learning_rate"] == ex.TUNED["DPAdamBC"][
       "learning_rate"]
   assert hparams["gamma_prime"] == pytest.approx(
-      main_lib.TUNED["DPAdamBC"]["gamma_prime"], rel=0.05)
-  assert compare.default_hparams("DPSGD", phi) == (main_lib.TUNED["DPSGD"],
+      ex.TUNED["DPAdamBC"]["gamma_prime"], rel=0.05)
+  assert compare.default_hparams("DPSGD", phi) == (ex.TUNED["DPSGD"],
                                                    True)
   hparams, tuned = compare.default_hparams("DPAdamIME", phi)
   assert not tuned and hparams["denominator_floor"] == pytest.approx(
@@ -139,13 +133,13 @@ def test_training_config_defaults_and_overrides():
   def config(*argv, n=4000):
     return compare.training_config(compare.parse_args(list(argv)), n)
   # Poisson (the default): the main job's settings.
-  assert config() == main_lib.DEFAULTS["mnist1d"]
+  assert config() == ex.DEFAULTS["mnist1d"]
   assert config().batch_size == 250 and config().epochs == 40
   # Once-per-epoch ε does not depend on B: larger batches.
   assert config("--sampling", "shuffle").batch_size == 1000
-  assert config("--dataset", "digits") == main_lib.DEFAULTS["digits"]
+  assert config("--dataset", "digits") == ex.DEFAULTS["digits"]
   assert config("--batch-size", "64", "--epochs", "3").batch_size == 64
-  assert config("--quick") == main_lib.QUICK
+  assert config("--quick") == ex.QUICK
   assert config("--dataset", "x.npz", n=200).batch_size == 50
 
 
@@ -183,7 +177,7 @@ def test_cli_errors_name_the_problem(tmp_path):
     compare.main(["--dataset", str(tmp_path / "nope.npz")])
   path = _write_npz(tmp_path / "bad.npz", y_train=None)
   with pytest.raises(SystemExit, match="missing y_train"):
-    main_lib.main(["compare", "--dataset", path])
+    cli.main(["compare", "--dataset", path])
 
 
 def test_missing_matplotlib_names_the_extra(monkeypatch):
@@ -207,12 +201,12 @@ def tiny(tmp_path_factory):
   args = compare.parse_args(
       _TINY + ["--dataset", _write_npz(root / "tiny.npz"), "--out", str(out)])
   inputs = []
-  fit_inputs = main_lib.fit_inputs
+  fit_inputs = ex.fit_inputs
   def record(*a, **k):
     inputs.append(fit_inputs(*a, **k))
     return inputs[-1]
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(main_lib, "fit_inputs", record)
+    patch.setattr(ex, "fit_inputs", record)
     runs = compare.run(args)
   return out, runs, inputs
 
@@ -228,7 +222,7 @@ def test_private_variants_train_on_poisson_batches(tiny):
   for run, fit in zip(runs[:2], inputs[:2]):  # normalise by B, q = B/N
     assert run.optimizer.expected_batch_size == 60
     assert run.optimizer.steps_taken == 4  # ceil(240/60) steps per epoch
-    padded = main_lib.poisson_padding(240, 60)
+    padded = ex.poisson_padding(240, 60)
     assert fit["x"].element_spec[2].shape == (padded,)  # sample weights
   # Keras' Adam has no ε to earn: shuffled fixed-size batches.
   assert runs[2].optimizer.__class__.__name__ == "Adam"

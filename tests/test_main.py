@@ -1,13 +1,16 @@
-"""The main job (``python -m tf_dpadambc``) and the data set loaders."""
+"""The main job (``tf-dpadambc``), the command line and the data set loaders."""
 import math
-import re
+import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-import tf_dpadambc
+from tf_dpadambc import cli
+from tf_dpadambc import compare
 from tf_dpadambc import datasets
+from tf_dpadambc import experiments as ex
 from tf_dpadambc import main as main_lib
 
 
@@ -58,125 +61,193 @@ def test_missing_optional_dependency_says_what_to_install(
     loader()
 
 
-_ROW = re.compile(r"^(DPAdamBC|DPAdam|DPSGD)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)"
-                  r"\s+(\S+)\s+(\S+)\s*$")
-_SIGMA = re.compile(r"σ = ([0-9.]+), (expected batch|batch) (\d+), (\d+) steps")
+def test_synthetic_text_task_is_deterministic_token_ids():
+  a = datasets.load_synthetic_text(seed=3, num_train=500, num_test=100)
+  b = datasets.load_synthetic_text(seed=3, num_train=500, num_test=100)
+  assert a.x_train.shape == (500, 10) and a.x_train.dtype == np.int32
+  assert a.y_test.shape == (100,) and set(np.unique(a.y_train)) == set(
+      range(4))
+  assert 0 <= a.x_train.min() and a.x_train.max() < 1000
+  np.testing.assert_array_equal(a.x_train, b.x_train)
+  assert not np.array_equal(a.x_train, datasets.load_synthetic_text(
+      seed=4, num_train=500, num_test=100).x_train)
 
 
-def _run_main(argv, capsys, monkeypatch):
-  """Runs the job; returns (stdout, its Results, model.fit's data args)."""
-  results, inputs = [], []
-  train_one, fit_inputs = main_lib.train_one, main_lib.fit_inputs
-
-  def record_train(*args, **kwargs):
-    results.append(train_one(*args, **kwargs))
-    return results[-1]
-
-  def record_inputs(*args, **kwargs):
-    inputs.append(fit_inputs(*args, **kwargs))
-    return inputs[-1]
-  monkeypatch.setattr(main_lib, "train_one", record_train)
-  monkeypatch.setattr(main_lib, "fit_inputs", record_inputs)
-  assert main_lib.main(argv) == 0
-  return capsys.readouterr().out, results, inputs
+# ------------------------------------------------------------- statistics
+def test_t_interval_matches_the_textbook_formula():
+  values = [0.70, 0.72, 0.74]
+  interval = main_lib.t_interval(values)
+  # mean 0.72, s = 0.02, t(0.975, 2) = 4.3027: half-width 0.0497
+  assert interval.mean == pytest.approx(0.72)
+  assert interval.high - interval.mean == pytest.approx(
+      4.302653 * 0.02 / math.sqrt(3), rel=1e-5)
+  assert interval.n == 3
+  assert math.isnan(main_lib.t_interval([0.5]).low)
 
 
-def _table(out):
-  rows = {m.group(1): m.groups() for m in map(_ROW.match, out.splitlines())
-          if m}
-  for _, lr, _, accuracy, loss, _, _ in rows.values():
-    assert float(lr) > 0
-    assert 0.0 <= float(accuracy) <= 1.0
-    assert math.isfinite(float(loss))
-  sigma, batch, batch_size, steps = _SIGMA.search(out).groups()
-  return rows, float(sigma), batch, int(batch_size), int(steps)
+def test_verdict_calls_a_consistent_gain_significant():
+  # DPAdamBC beats DPAdam by 3-5 points on every seed; DPAdam and DPSGD
+  # trade places: the verdict must say exactly that.
+  accuracies = {"DPAdamBC": [0.80, 0.82, 0.81, 0.82, 0.80],
+                "DPAdam": [0.76, 0.78, 0.77, 0.78, 0.76],
+                "DPSGD": [0.77, 0.77, 0.78, 0.77, 0.75]}
+  pairs = main_lib.compare_pairs(accuracies, list(accuracies))
+  assert main_lib.significant(pairs[("DPAdamBC", "DPAdam")])
+  assert main_lib.significant(pairs[("DPAdamBC", "DPSGD")])
+  assert not main_lib.significant(pairs[("DPAdam", "DPSGD")])
+  text = main_lib.verdict(
+      pairs, {"DPAdam": {"dp_v_over_phi": 1.03},
+              "DPAdamBC": {"dp_v_over_phi": 1.03,
+                           "dp_clamped_fraction": 0.45}}, "low-dimensional")
+  assert text.startswith("Verdict: at the same ε, DPAdamBC beats DPAdam; "
+                         "DPAdamBC beats DPSGD (significant at 95%, paired "
+                         "over 5 seeds); no significant difference between "
+                         "DPAdam and DPSGD at 5 seeds.")
+  assert "v̂/Φ = 1.03" in text and "almost all DP noise" in text
+  assert "it does no better than DPSGD" in text
+  assert "which is where its advantage comes from" in text
+  assert "55% of coordinates" in text
+  assert "advise: low-dimensional regime" in text
+  line = main_lib.pair_sentence("DPAdamBC", "DPAdam",
+                                pairs[("DPAdamBC", "DPAdam")])
+  assert line.startswith("DPAdamBC − DPAdam: +4.0 points, 95% CI [+")
+  assert line.endswith("significant, DPAdamBC better than DPAdam.")
 
 
-def test_defaults_sample_poisson_and_shuffle_takes_larger_batches():
+def test_verdict_says_not_significant_when_the_interval_contains_zero():
+  accuracies = {"DPAdamBC": [0.80, 0.76, 0.79], "DPAdam": [0.78, 0.79, 0.77]}
+  pairs = main_lib.compare_pairs(accuracies, list(accuracies))
+  interval = pairs[("DPAdamBC", "DPAdam")]
+  assert interval.low < 0 < interval.high
+  text = main_lib.verdict(pairs, {"DPAdamBC": {"dp_clamped_fraction": 0.5}})
+  assert text.startswith("Verdict: at the same ε, no significant difference "
+                         "between DPAdamBC and DPAdam at 3 seeds.")
+  assert "beats" not in text and "advantage comes from" not in text
+  assert "did not give a significant advantage" in text
+  assert main_lib.pair_sentence("DPAdamBC", "DPAdam", interval).endswith(
+      "not significant (the interval contains 0).")
+  # A significant loss is called a loss.
+  worse = main_lib.compare_pairs(
+      {"DPAdamBC": [0.70, 0.71, 0.70], "DPAdam": [0.78, 0.79, 0.78]},
+      ["DPAdamBC", "DPAdam"])
+  assert "DPAdam beats DPAdamBC" in main_lib.verdict(worse)
+
+
+# ------------------------------------------------------------ command line
+@pytest.mark.parametrize("build", [main_lib.build_parser,
+                                   compare.build_parser])
+def test_every_flag_has_help_text(build):
+  for action in build()._actions:  # pylint: disable=protected-access
+    assert action.help and len(action.help) > 10, action.option_strings
+
+
+def test_help_is_fast_and_quiet():
+  """The command's --help imports neither TensorFlow nor Keras (instant, and
+  no C++ log lines)."""
+  code = ("import sys\n"
+          "sys.argv = ['tf-dpadambc', '--help']  # as the console script\n"
+          "from tf_dpadambc import cli\n"
+          "try:\n  cli.main()\nexcept SystemExit:\n  pass\n"
+          "print('loaded:', sorted({'tensorflow', 'keras'} & set(sys.modules)))")
+  out = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True,
+      check=True, timeout=120,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert "--seeds" in out.stdout and "--epsilon" in out.stdout
+  assert "loaded: []" in out.stdout
+  assert out.stderr == ""
+
+
+def test_import_registers_the_optimizers_for_load_model():
+  code = ("import sys, tf_dpadambc, keras\n"
+          "print(keras.saving.get_registered_object('tf_dpadambc>DPAdamBC'))")
+  out = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True,
+      check=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert "DPAdamBC" in out.stdout
+
+
+def test_cli_silences_tensorflow_before_it_loads(monkeypatch):
+  monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+  with pytest.raises(SystemExit):
+    cli.main(["--help"])
+  assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "3"
+  monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")  # the user's choice wins
+  assert not cli.quiet_tensorflow()
+  assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
+
+
+def test_missing_optional_dependency_is_one_line(monkeypatch):
+  for name in list(sys.modules):
+    if name == "mnist1d" or name.startswith("mnist1d."):
+      monkeypatch.delitem(sys.modules, name)
+  monkeypatch.setitem(sys.modules, "mnist1d", None)
+  with pytest.raises(SystemExit) as e:
+    compare.load_dataset("mnist1d", seed=0)
+  message = str(e.value.code)
+  assert "\n" not in message and 'tf-dpadambc[examples]' in message
+  assert e.value.__cause__ is None and e.value.__suppress_context__
+  monkeypatch.setitem(sys.modules, "matplotlib", None)
+  with pytest.raises(SystemExit, match=r"^tf-dpadambc: error: .*matplotlib"):
+    ex.require("matplotlib", "plots")
+
+
+def test_defaults_and_seeds():
   args = main_lib.parse_args([])
-  assert args.sampling == "poisson" and args.sampling_seed is None
-  assert main_lib.default_config("mnist1d", "poisson").batch_size == 250
-  assert main_lib.default_config("mnist1d", "shuffle").batch_size == 1000
-  assert main_lib.default_config("digits", "shuffle").batch_size == 150
-
-
-def test_sampling_seed_is_secret_unless_given(capsys):
-  args = main_lib.parse_args([])
-  assert main_lib.sampling_seed(args) != main_lib.sampling_seed(args)
-  assert main_lib.sampling_seed(main_lib.parse_args(
-      ["--sampling-seed", "5"])) == 5
+  assert args.optimizers == list(main_lib.OPTIMIZERS)
+  assert (args.epsilon, args.delta, args.seeds, args.sampling) == (
+      main_lib.DEFAULT_EPSILON, 1e-5, main_lib.DEFAULT_SEEDS, "poisson")
+  assert args.seeds >= 3 and args.jit_compile
+  quick = main_lib.parse_args(["--quick"])
+  assert quick.seeds == main_lib.QUICK_SEEDS and not quick.jit_compile
+  # Replicates differ in weights, batches and noise; secret unless given.
+  a, b = (main_lib.replicate_seeds(args, k) for k in (0, 1))
+  assert len({a[1], b[1]}) == 2 and len({a[2], b[2]}) == 2 and a[0] != b[0]
+  given = main_lib.parse_args(["--noise-seed", "5", "--sampling-seed", "7"])
+  assert main_lib.replicate_seeds(given, 2) == (2, 9, 7)
   with pytest.raises(SystemExit):  # shuffled batches follow --seed
     main_lib.parse_args(["--sampling", "shuffle", "--sampling-seed", "5"])
-  assert "--sampling-seed seeds Poisson" in capsys.readouterr().err
 
 
 def test_fit_inputs_poisson_padded_batches_steps_and_seed():
   n, b = 300, 40  # B does not divide N: ceil(N/B) = 8 steps per epoch
   data = datasets.Dataset(np.arange(n, dtype="float32")[:, None],
                           np.arange(n, dtype="int32"), None, None, "ids")
-  config = main_lib.QUICK._replace(batch_size=b)
-  poisson = main_lib.fit_inputs(data, config, "poisson", seed=1)
+  config = ex.QUICK._replace(batch_size=b)
+  poisson = ex.fit_inputs(data, config, "poisson", seed=1)
   assert set(poisson) == {"x", "shuffle"} and poisson["shuffle"] is False
   batches = list(poisson["x"].as_numpy_iterator())
-  m = main_lib.poisson_padding(n, b)
-  assert len(batches) == main_lib.steps_per_epoch(n, b) == 8 and b < m < n
+  m = ex.poisson_padding(n, b)
+  assert len(batches) == ex.steps_per_epoch(n, b) == 8 and b < m < n
   for x, y, w in batches:
     assert x.shape == (m, 1) and w.shape == (m,)
     real = y[w > 0]
     assert len(set(real)) == len(real) and set(w) <= {0.0, 1.0}
   sizes = [int(np.sum(w > 0)) for _, _, w in batches]
   assert len(set(sizes)) > 1  # random sizes, not fixed batches of B
-  again = main_lib.fit_inputs(data, config, "poisson", seed=1)["x"]
+  again = ex.fit_inputs(data, config, "poisson", seed=1)["x"]
   for (_, y1, w1), (_, y2, w2) in zip(batches, again.as_numpy_iterator()):
     np.testing.assert_array_equal(y1[w1 > 0], y2[w2 > 0])
-  shuffle = main_lib.fit_inputs(data, config, "shuffle")
+  shuffle = ex.fit_inputs(data, config, "shuffle")
   assert shuffle["batch_size"] == b and shuffle["x"] is data.x_train
 
 
 @pytest.mark.slow
-def test_main_quick_trains_on_poisson_batches(capsys, monkeypatch):
-  out, results, inputs = _run_main(["--quick", "--epochs", "1", "--verbose",
-                                    "0"], capsys, monkeypatch)
-  rows, sigma, batch, batch_size, steps = _table(out)
-  assert set(rows) == {"DPAdamBC", "DPAdam", "DPSGD"}
-  assert (batch, batch_size, steps) == ("expected batch", 100, 10)
-  # The optimizers normalise by B and account Poisson sampling with q = B/N;
-  # fit got padded Poisson batches, all from one sampling seed.
-  for r in results:
-    assert r.optimizer.expected_batch_size == 100
-    assert r.optimizer.steps_taken == 10
-  assert all(i["x"].element_spec[2].shape == (main_lib.poisson_padding(
-      1000, 100),) for i in inputs) and len(inputs) == 3
-  # ε of the run's own sampling: Poisson, at the 8.0 target.
-  expected = tf_dpadambc.compute_epsilon(1000, 100, 1, sigma, 1e-5)
-  assert 7.9 < expected <= 8.0 + 1e-3
-  # The once-per-epoch ε of that σ differs: the rows below tell them apart.
-  assert abs(tf_dpadambc.compute_epsilon(
-      1000, 100, 1, sigma, 1e-5, sampling="shuffle") - expected) > 0.1
-  for name, row in rows.items():
-    assert float(row[5]) == pytest.approx(expected, abs=1e-3), name
-  assert "ε: RDP accountant, Poisson sampling (the run's sampling)" in out
+def test_main_quick_runs_seeds_and_prints_a_verdict(capsys):
+  assert cli.main(["--quick", "--seeds", "2", "--epochs", "1",
+                   "--verbose", "0"]) == 0
+  out = capsys.readouterr().out
+  assert "Task: synthetic topic classification" in out
+  assert "Model: word-embedding classifier" in out
+  assert "ε in plain words" in out
+  for name in main_lib.OPTIMIZERS:
+    row = next(line for line in out.splitlines() if line.startswith(name))
+    assert "learning_rate=" in row and " ± " in row
+    assert "3.000" in row or "2.99" in row  # ε at the target 3
+  assert "gamma_prime=" in out and "eps_adam" not in out
+  assert "DPAdamBC − DPAdam:" in out and "Verdict: at the same ε" in out
+  assert "dp_v_over_phi:" in out and "dp_clamped_fraction:" in out
+  assert "dp_nonfinite_examples" not in out  # zero: not shown
   assert "Differential privacy statement" in out
-  assert "expected batch size B = 100" in out
-  assert (f"ε = {rows['DPAdamBC'][5]} with Poisson sampling: the guarantee "
-          "of this run") in out
-  assert "does NOT apply" not in out
-
-
-@pytest.mark.slow
-def test_main_shuffle_reports_the_once_per_epoch_epsilon(capsys, monkeypatch):
-  out, results, _ = _run_main(
-      ["--quick", "--epochs", "1", "--sampling", "shuffle", "--optimizers",
-       "DPSGD", "--verbose", "0"], capsys, monkeypatch)
-  rows, sigma, batch, batch_size, steps = _table(out)
-  assert set(rows) == {"DPSGD"} and (batch, batch_size, steps) == (
-      "batch", 100, 10)
-  assert results[0].optimizer.expected_batch_size is None
-  expected = tf_dpadambc.compute_epsilon(1000, 100, 1, sigma, 1e-5,
-                                         sampling="shuffle")
-  assert float(rows["DPSGD"][5]) == pytest.approx(expected, abs=1e-3)
-  assert 7.9 < expected <= 8.0 + 1e-3
-  assert "each example once per epoch (the run's sampling)" in out
-  assert (f"ε = {rows['DPSGD'][5]} if each example is used exactly once per "
-          "epoch (shuffled fixed-size batches; no amplification by sampling "
-          "assumed): the guarantee of this run") in out
+  assert "(--quick: a smoke test" in out

@@ -15,33 +15,53 @@ noise (``noise=CorrelatedNoise(...)``), ``data`` for cyclic batches;
 ``keras`` for the Keras 3 optimizers and train step; ``theory`` and
 ``advisor`` for the papers' formulas and a regime verdict.
 """
-from tf_dpadambc._version import __version__
-from tf_dpadambc.accounting import PrivacyBudget
-from tf_dpadambc.accounting import PrivacyTensorBoard
-from tf_dpadambc.accounting import compute_epsilon
-from tf_dpadambc.accounting import compute_mf_noise_multiplier
-from tf_dpadambc.accounting import compute_noise_multiplier
-from tf_dpadambc.accounting import dp_sgd_event
-from tf_dpadambc.accounting import epsilon_of_event
-from tf_dpadambc.accounting import optimizer_privacy_statement
-from tf_dpadambc.accounting import privacy_statement
-from tf_dpadambc.advisor import Advice
-from tf_dpadambc.advisor import advise
-from tf_dpadambc import data  # noqa: F401
-from tf_dpadambc import mf  # noqa: F401
-from tf_dpadambc.keras import *  # noqa: F401,F403
-from tf_dpadambc.mechanisms import CorrelatedNoise
-from tf_dpadambc.mechanisms import IndependentNoise
-from tf_dpadambc.theory import bias_correction_error_bound
-from tf_dpadambc.theory import dpsgdm_equivalent_learning_rate
-from tf_dpadambc.theory import dpsgdm_equivalent_momentum
-from tf_dpadambc.keras import __all__ as _KERAS
+import importlib
+import importlib.util
+import os
+import sys
 
-__all__ = list(_KERAS) + [
-    "Advice", "advise", "CorrelatedNoise", "IndependentNoise", "bias_correction_error_bound",
-    "dpsgdm_equivalent_learning_rate", "dpsgdm_equivalent_momentum",
-    "PrivacyBudget", "PrivacyTensorBoard", "compute_epsilon",
-    "compute_mf_noise_multiplier", "compute_noise_multiplier",
-    "dp_sgd_event", "epsilon_of_event", "optimizer_privacy_statement",
-    "privacy_statement", "__version__",
-]
+from tf_dpadambc._version import __version__
+
+# The public names come from ``tf_dpadambc._api``, imported (with TensorFlow)
+# right here — so that ``import tf_dpadambc`` registers the optimizers with
+# Keras and ``keras.models.load_model`` finds them — except when this process
+# is the ``tf-dpadambc`` command (or ``python -m tf_dpadambc``): then they are
+# imported on first use (PEP 562), so that the command can silence
+# TensorFlow's start-up logging before TensorFlow loads and ``--help``
+# answers at once (tf_dpadambc.cli).
+
+
+def _load():
+  api = importlib.import_module("tf_dpadambc._api")
+  names = globals()
+  for name in api.__all__:
+    names.setdefault(name, getattr(api, name))
+  names["__all__"] = list(api.__all__) + ["__version__"]
+  return names
+
+
+def __getattr__(name):
+  if name.startswith("_") and name != "__all__":  # (and no recursion)
+    raise AttributeError(name)
+  if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    return importlib.import_module(f"{__name__}.{name}")  # a submodule
+  names = _load()
+  if name in names:
+    return names[name]
+  raise AttributeError(f"module 'tf_dpadambc' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(_load()))
+
+
+def _started_as_command():
+  """True while ``tf-dpadambc`` or ``python -m tf_dpadambc`` starts (Python
+  sets argv[0] to "-m" while it locates the module to run)."""
+  argv = getattr(sys, "argv", None) or [""]
+  return (os.path.basename(argv[0]).startswith("tf-dpadambc")
+          or argv[0] == "-m")
+
+
+if not _started_as_command():
+  _load()

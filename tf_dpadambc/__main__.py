@@ -1,7 +1,8 @@
-"""``python -m tf_dpadambc``: the main job (see :mod:`tf_dpadambc.main`)."""
+"""``python -m tf_dpadambc``: the ``tf-dpadambc`` command (see
+:mod:`tf_dpadambc.cli`)."""
 import sys
 
-from tf_dpadambc.main import main
+from tf_dpadambc.cli import main
 
 if __name__ == "__main__":
   sys.exit(main())

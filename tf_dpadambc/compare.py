@@ -8,7 +8,7 @@
     python -m tf_dpadambc compare --help
 
 Calibrates σ once for the target ε, then trains the main job's model
-(:func:`tf_dpadambc.main.build_model`), from the same initial weights and on
+(:func:`tf_dpadambc.experiments.build_model`, a small Conv1D network), from the same initial weights and on
 the same batches, with every variant asked for. All private variants share
 C, σ, the (expected) batch size and the number of steps, hence the same
 guarantee; each one's ε is nevertheless recomputed from its own ``dp_event``,
@@ -59,7 +59,7 @@ from scipy import special
 
 import tf_dpadambc
 from tf_dpadambc import datasets
-from tf_dpadambc import main as main_lib
+from tf_dpadambc import experiments as ex
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 from tf_dpadambc.keras.optimizers import __all__ as _OPTIMIZER_CLASSES
 
@@ -75,9 +75,9 @@ NON_PRIVATE = ("Adam", "SGD", "NoiselessPreconditionerAdam")
 PRIVATE = tuple(sorted(set(_OPTIMIZER_CLASSES) - set(UNSUPPORTED)
                        - set(NON_PRIVATE)))
 VARIANTS = PRIVATE + NON_PRIVATE
-DEFAULT_VARIANTS = main_lib.OPTIMIZERS
+DEFAULT_VARIANTS = tuple(ex.TUNED)  # DPAdamBC, DPAdam, DPSGD
 
-# main.TUNED's sweep found DPAdamBC's γ' had to scale with the noise
+# experiments.TUNED's sweep found DPAdamBC's γ' had to scale with the noise
 # variance Φ = (σC/B)²: its tuned γ' = 1e-5 is Φ/2.5 there (σ = 1.26, B =
 # 250). Scaling it keeps that ratio at other σ, B and C.
 GAMMA_PRIME_OVER_PHI = 0.4
@@ -99,12 +99,7 @@ _UNTUNED = {
     "SGD": {"learning_rate": 0.1, "momentum": 0.9},
 }  # DP2RMSProp, DP2Adagrad: their class defaults.
 
-DIAGNOSTICS = ("dp_v_over_phi", "dp_clamped_fraction", "dp_negative_v_fraction")
-_DIAGNOSTIC_LABELS = {
-    "dp_v_over_phi": "mean v̂ / Φ (≈ 1: v̂ is mostly noise)",
-    "dp_clamped_fraction": "fraction clamped (v̂ − Φ < γ')",
-    "dp_negative_v_fraction": "fraction with v̂ < 0",
-}
+DIAGNOSTICS = ex.MOMENT_DIAGNOSTICS  # names and meanings: ex.DIAGNOSTICS
 # Batch sizes: main.default_config. With Poisson sampling MNIST-1D keeps the
 # main job's B = 250 (σ = 1.26, 640 steps): DPAdamBC/DPAdam/DPSGD reached
 # .64/.67/.64 in one run, against .57/.62/.44 at B = 1000 (σ = 2.21, 160
@@ -112,7 +107,6 @@ _DIAGNOSTIC_LABELS = {
 # For a user's .npz: MNIST-1D's, with at least 4 batches per epoch.
 NPZ_DATASET = "mnist1d"
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
-_EXTRAS_HINT = 'pip install "tf-dpadambc[examples]"'
 
 
 class DatasetError(ValueError):
@@ -121,11 +115,11 @@ class DatasetError(ValueError):
 
 def default_hparams(name, noise_variance):
   """(hyper-parameters, tuned?) of variant ``name`` at noise variance Φ."""
-  tuned = name in main_lib.TUNED
+  tuned = name in ex.TUNED
   if tuned:
-    hparams = dict(main_lib.TUNED[name])
+    hparams = dict(ex.TUNED[name])
   elif name in _LEARNING_RATE_OF:
-    kin = main_lib.TUNED[_LEARNING_RATE_OF[name]]
+    kin = ex.TUNED[_LEARNING_RATE_OF[name]]
     hparams = {"learning_rate": kin["learning_rate"]}
   else:
     hparams = dict(_UNTUNED.get(name, {}))
@@ -150,7 +144,7 @@ def sampling_refusal(name, sampling):
   with warnings.catch_warnings():  # NoiselessPreconditionerAdam's warning
     warnings.simplefilter("ignore")
     try:
-      main_lib.make_optimizer(name, 1.0, 1.0, expected_batch_size=1,
+      ex.make_optimizer(name, 1.0, 1.0, expected_batch_size=1,
                               hparams=hparams)
     except ValueError as e:
       return str(e)
@@ -204,7 +198,10 @@ def load_npz(path):
 def load_dataset(spec, seed):
   """``mnist1d``, ``digits`` or a path to a .npz file."""
   if spec in datasets.LOADERS:
-    return datasets.LOADERS[spec](seed=seed)
+    try:
+      return datasets.LOADERS[spec](seed=seed)
+    except ImportError as e:  # an optional dependency: one line, no trace
+      raise ex.MissingDependency(f"tf-dpadambc compare: error: {e}") from None
   if spec.endswith(".npz") or os.path.exists(spec):
     if not os.path.exists(spec):
       raise DatasetError(f"{spec}: no such file.")
@@ -227,7 +224,7 @@ def _variant(name):
       "(every private variant).")
 
 
-def parse_args(argv):
+def build_parser():
   parser = argparse.ArgumentParser(
       prog="tf-dpadambc compare",
       description="Train DP optimizers at the same (ε, δ) (same C, σ, batch "
@@ -250,9 +247,14 @@ def parse_args(argv):
   parser.add_argument("--eval-every", type=int, default=None,
                       help="steps between evaluations (default: about 40 "
                            "evaluations per run)")
-  main_lib.add_training_arguments(parser)
+  ex.add_training_arguments(parser)
+  return parser
+
+
+def parse_args(argv):
+  parser = build_parser()
   args = parser.parse_args(argv)
-  main_lib.check_training_arguments(parser, args)
+  ex.check_training_arguments(parser, args)
   for name in args.variants:
     why = name != "all" and sampling_refusal(name, args.sampling)
     if why:
@@ -278,11 +280,7 @@ def parse_args(argv):
 
 
 def _require_matplotlib():
-  try:
-    import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise SystemExit("tf-dpadambc compare draws its plots with matplotlib, "
-                     "an optional dependency: " + _EXTRAS_HINT) from e
+  ex.require("matplotlib", "tf-dpadambc compare (its plots)")
 
 
 def evaluate(model, x, y, batch_size=2048):
@@ -373,7 +371,7 @@ def _make_optimizer(name, hparams, config, sigma, noise_seed,
   shuffled batches, tf_dpadambc's on the run's sampling."""
   if name in ("Adam", "SGD"):
     return getattr(keras.optimizers, name)(**hparams), "shuffle"
-  optimizer, _ = main_lib.make_optimizer(
+  optimizer, _ = ex.make_optimizer(
       name, config.l2_norm_clip, sigma, noise_seed,
       expected_batch_size=expected_batch_size, hparams=hparams)
   return optimizer, "poisson" if expected_batch_size else "shuffle"
@@ -390,7 +388,7 @@ def train_variant(name, data, config, sigma, args, eval_every,
   hparams, tuned = default_hparams(name, phi)
   keras.utils.set_random_seed(args.seed)  # same weights (and batch order)
   num_classes = int(max(data.y_train.max(), data.y_test.max())) + 1
-  model = main_lib.build_model(data.x_train.shape[1], num_classes)
+  model = ex.build_model(data.x_train.shape[1], num_classes)
   optimizer, sampling = _make_optimizer(
       name, hparams, config, sigma, args.noise_seed,
       config.batch_size if args.sampling == "poisson" else None)
@@ -404,18 +402,18 @@ def train_variant(name, data, config, sigma, args, eval_every,
   def epsilon_at(step=None):  # default: the steps taken
     if not private:
       return math.inf
-    return main_lib.run_epsilon(optimizer, num_examples, args.delta, step)
+    return ex.run_epsilon(optimizer, num_examples, args.delta, step)
 
   model.compile(
       optimizer=optimizer,
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
       metrics=["accuracy"], jit_compile=args.jit_compile)
-  per_epoch = main_lib.steps_per_epoch(num_examples, config.batch_size)
+  per_epoch = ex.steps_per_epoch(num_examples, config.batch_size)
   total = config.epochs * per_epoch
   monitor = _Monitor(data, eval_every, per_epoch, total, epsilon_at,
                      verbose=1 if args.verbose else 0)
   start = time.perf_counter()
-  model.fit(**main_lib.fit_inputs(data, config, sampling, seed_of_sampling),
+  model.fit(**ex.fit_inputs(data, config, sampling, seed_of_sampling),
             epochs=config.epochs, verbose=0, callbacks=[monitor])
   run.seconds = time.perf_counter() - start - monitor.eval_seconds
   run.history = monitor.history
@@ -430,7 +428,7 @@ _COLUMNS = ("variant", "private", "hyper-parameters", "test accuracy",
 
 
 def _format_hparams(run):
-  text = ", ".join(f"{k}={v:.3g}" for k, v in sorted(run.hparams.items()))
+  text = ex.format_hparams(run.hparams)
   return f"{text or 'class defaults'} ({'tuned' if run.tuned else 'untuned'})"
 
 
@@ -535,7 +533,7 @@ def write_plots(out_dir, runs, title):
   if keys:
     figure, axes = _figure(len(keys))
     _plot(axes, [r for r in runs if any(k in r.history[-1] for k in keys)],
-          "step", keys, [_DIAGNOSTIC_LABELS[k] for k in keys], "step",
+          "step", keys, [ex.DIAGNOSTICS[k][0] for k in keys], "step",
           log_y=("dp_v_over_phi",))
     save(figure, "diagnostics.png",
          "Optimizer diagnostics at each evaluation step (last step's value)")
@@ -578,7 +576,7 @@ def _settings_text(data, config, sigma, args, steps):
   eps = epsilon_lib.compute_epsilon(
       num_examples, config.batch_size, config.epochs, sigma, args.delta,
       sampling=args.sampling)
-  sampling = main_lib.sampling_text(args.sampling, num_examples,
+  sampling = ex.sampling_text(args.sampling, num_examples,
                                     config.batch_size)
   poisson = args.sampling == "poisson"
   batch = "expected batch" if poisson else "batch"
@@ -600,7 +598,7 @@ def _settings_text(data, config, sigma, args, steps):
 def training_config(args, num_examples):
   """Epochs, batch size and C of the run: the defaults, then the flags."""
   npz = args.dataset not in datasets.LOADERS
-  config = main_lib.training_config(args, main_lib.default_config(
+  config = ex.training_config(args, ex.default_config(
       NPZ_DATASET if npz else args.dataset, args.sampling))
   if npz and args.batch_size is None:
     n = min(num_examples, config.train_examples or num_examples)
@@ -617,9 +615,9 @@ def run(args):
   """Trains every variant and writes the report; returns the runs."""
   data = load_dataset(args.dataset, args.seed)
   config = training_config(args, len(data.y_train))
-  data = main_lib.check_training_data(data, config)
+  data = ex.check_training_data(data, config)
   num_examples = len(data.y_train)
-  sigma, steps = main_lib.calibrate(num_examples, config, args)
+  sigma, steps = ex.calibrate(num_examples, config, args)
   print(_settings_text(data, config, sigma, args, steps), flush=True)
   for name, why in args.left_out.items():
     print(f"Left out of 'all': {name} ({why})", flush=True)
@@ -627,7 +625,7 @@ def run(args):
     if name in NON_PRIVATE:
       print(f"WARNING: {name} is NOT PRIVATE: trained as a baseline only, "
             "because it was asked for by name.", flush=True)
-  seed_of_sampling = (main_lib.sampling_seed(args)
+  seed_of_sampling = (ex.sampling_seed(args)
                       if args.sampling == "poisson" else None)
   runs = []
   for name in args.variants:
@@ -650,10 +648,9 @@ def main(argv=None):
   start = time.time()
   args = parse_args(sys.argv[1:] if argv is None else argv)
   _require_matplotlib()  # before training, not after
-  with main_lib.quiet_logs():
-    try:
-      run(args)
-    except DatasetError as e:
-      raise SystemExit(f"tf-dpadambc compare: error: {e}") from e
+  try:
+    run(args)
+  except DatasetError as e:
+    raise SystemExit(f"tf-dpadambc compare: error: {e}") from e
   print(f"\nTotal wall-clock time: {time.time() - start:.0f} s.")
   return 0

@@ -5,6 +5,8 @@
   classes. Nothing is downloaded (``mnist1d.data.get_dataset`` would).
 * :func:`load_digits` uses scikit-learn's bundled 8x8 digits (1,797 images).
 * :func:`load_mnist` is full MNIST through ``keras.datasets`` (downloads).
+* :func:`load_synthetic_text` generates a text-classification task (token
+  ids, Zipfian vocabulary, class-indicative words): the main job's task.
 
 Every loader returns a :class:`Dataset` with float32 ``x`` and int32 ``y``.
 """
@@ -80,6 +82,43 @@ def load_mnist():
   (x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
   return _as_dataset(x_train / 255.0, y_train, x_test / 255.0, y_test,
                      "mnist")
+
+
+def load_synthetic_text(seed=0, num_train=20_000, num_test=5_000,
+                        vocab_size=1_000, length=10, num_classes=4,
+                        words_per_class=150, zipf=1.1, class_zipf=1.0):
+  """A synthetic text-classification task, generated locally in NumPy.
+
+  Each document is ``length`` token ids. Background words follow a Zipfian
+  law over ``vocab_size`` words (rank r has probability ∝ 1/r^zipf), as
+  words do in text. Each class owns ``words_per_class`` indicative words,
+  drawn from ranks 50 … vocab_size (no class owns the 50 most frequent,
+  "stop words"); one position of every document holds one of its class's
+  words, chosen Zipfian within the class (rank k ∝ 1/k^class_zipf): a few
+  frequent cue words and a long tail of rare ones, as in topic or sentiment
+  classification. The label is recoverable only from that word, which can
+  also occur at random as background. ``x``: int32 ``[N, length]``.
+  """
+  rng = np.random.default_rng(seed)
+  background = 1.0 / np.arange(1, vocab_size + 1) ** zipf
+  background /= background.sum()
+  cues = rng.permutation(np.arange(50, vocab_size))[
+      :num_classes * words_per_class].reshape(num_classes, words_per_class)
+  within = 1.0 / np.arange(1, words_per_class + 1) ** class_zipf
+  within /= within.sum()
+
+  def documents(n):
+    y = rng.integers(0, num_classes, n)
+    x = rng.choice(vocab_size, size=(n, length), p=background)
+    x[np.arange(n), rng.integers(0, length, n)] = cues[
+        y, rng.choice(words_per_class, n, p=within)]
+    return x, y
+
+  x_train, y_train = documents(num_train)
+  x_test, y_test = documents(num_test)
+  return Dataset(x_train.astype(np.int32), y_train.astype(np.int32),
+                 x_test.astype(np.int32), y_test.astype(np.int32),
+                 "synthetic-text")
 
 
 LOADERS = {"mnist1d": load_mnist1d, "digits": load_digits}

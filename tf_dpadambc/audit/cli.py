@@ -30,7 +30,7 @@ import keras
 import numpy as np
 
 import tf_dpadambc
-from tf_dpadambc import main as main_lib
+from tf_dpadambc import experiments as ex
 from tf_dpadambc import mf
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 from tf_dpadambc.audit import canaries
@@ -52,23 +52,35 @@ def parse_args(argv):
                            f"{' '.join(DEFAULT_VARIANTS)})")
   parser.add_argument("--epsilon", type=float, default=4.0,
                       help="target ε the noise is calibrated for (default 4)")
-  parser.add_argument("--delta", type=float, default=1e-5)
+  parser.add_argument("--delta", type=float, default=1e-5,
+                      help="δ of the claimed (ε, δ) (default: %(default)g)")
   parser.add_argument("--sampling", choices=("shuffle", "poisson"),
-                      default="shuffle")
+                      default="shuffle",
+                      help="batches the claim assumes: shuffled once per "
+                           "epoch, or Poisson (default: %(default)s)")
   parser.add_argument("--noise", choices=("independent", "banded", "blt"),
                       default="independent",
                       help="independent Gaussian noise, or DP-MF correlated "
                            "noise (banded / BLT strategies, cyclic batches)")
   parser.add_argument("--clipping", choices=("auto", "ghost", "vectorized"),
-                      default="auto")
+                      default="auto",
+                      help="make_private's clipping path (default: "
+                           "%(default)s)")
   parser.add_argument("--canaries", type=int, default=2000,
-                      help="white-box canaries m, each in with probability ½")
-  parser.add_argument("--background", type=int, default=2000)
-  parser.add_argument("--batch-size", type=int, default=400)
-  parser.add_argument("--epochs", type=int, default=4)
+                      help="white-box canaries m, each in with probability ½ "
+                           "(default: %(default)s)")
+  parser.add_argument("--background", type=int, default=2000,
+                      help="ordinary (non-canary) training examples "
+                           "(default: %(default)s)")
+  parser.add_argument("--batch-size", type=int, default=400,
+                      help="(expected) batch size (default: %(default)s)")
+  parser.add_argument("--epochs", type=int, default=4,
+                      help="passes over the data (default: %(default)s)")
   parser.add_argument("--accumulation", type=int, default=1,
                       help="gradient_accumulation_steps of the optimizers")
-  parser.add_argument("--confidence", type=float, default=0.95)
+  parser.add_argument("--confidence", type=float, default=0.95,
+                      help="confidence of the ε lower bounds (default: "
+                           "%(default)g)")
   parser.add_argument("--noise-scale", type=float, default=1.0,
                       help="multiply the noise actually added (not the "
                            "claim): < 1 audits a broken mechanism")
@@ -78,7 +90,8 @@ def parse_args(argv):
   parser.add_argument("--seed", type=int, default=0,
                       help="the audit's randomness (canary inclusion, "
                            "order); the noise seed stays secret")
-  parser.add_argument("--out", default="dp-audit")
+  parser.add_argument("--out", default="dp-audit",
+                      help="report folder (default: ./%(default)s)")
   return parser.parse_args(argv)
 
 
@@ -282,6 +295,9 @@ _READING = (
 def main(argv=None):
   """``tf-dpadambc audit``; ``argv`` without the subcommand."""
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  with main_lib.quiet_logs():
-    run(args)
+  ex.require("matplotlib", "tf-dpadambc audit (its histograms)")
+  if args.black_box:
+    ex.require("sklearn", "tf-dpadambc audit --black-box (scikit-learn's "
+               "digits)")
+  run(args)
   return 0

@@ -598,6 +598,8 @@ def _checked_train_function(model):
             "its own, which would train a different model; the step applied "
             "noise only. Make every layer act on each example separately "
             "(e.g. LayerNormalization instead of statistics over the batch).")
+      if not float(logs.get("dp_nonfinite_examples", 1.0)):
+        del logs["dp_nonfinite_examples"]  # shown only when non-zero
       return logs
     checked._tf_dpadambc_checked = True  # pylint: disable=protected-access
     model.train_function = checked
@@ -619,7 +621,8 @@ def make_private(model, clipping="auto"):
   and adds noise once per logical step, through the compiled DP optimizer.
   ``fit`` logs more metrics: ``dp_clipped_fraction`` (units whose norm
   exceeded C), ``dp_nonfinite_examples`` (units with a non-finite gradient,
-  whose contribution was zeroed, summed over the epoch) and, for adaptive
+  whose contribution was zeroed, summed over the epoch; logged only when
+  non-zero) and, for adaptive
   optimizers, the epoch means of their diagnostics: ``dp_v_over_phi`` (mean
   v̂/Φ; ≈ 1 means the second moment is mostly DP noise),
   ``dp_clamped_fraction`` (bias correction: coordinates at the floor γ') and
