@@ -28,6 +28,9 @@ used instead of ``k.Sequential`` (e.g. TF-Privacy's DPSequential).
   token and position embeddings, global average pooling, Dense(2); no
   dropout. The position embedding is a (128, d) weight added by a small
   custom layer (``PositionEmbedding``).
+- ``lstm_text``: vocabulary 10k, embedding 32, length 64, LSTM 64, Dense(2)
+  (issue 15: recurrent models train privately; per-unit evaluation loops,
+  so run it at a small batch, e.g. ``--batch-sizes 64``).
 """
 
 VOCAB = 10_000
@@ -37,6 +40,9 @@ D_MODEL = 128
 HEADS = 4
 FFN = 256
 BLOCKS = 2
+LSTM_LEN = 64         # LSTM text model sequence length
+LSTM_EMBED = 32
+LSTM_UNITS = 64
 
 
 def mlp(k, sequential=None):
@@ -116,6 +122,14 @@ def transformer(k):
   return k.Model(tokens, k.layers.Dense(2)(x))
 
 
+def lstm_text(k, sequential=None):
+  return (sequential or k.Sequential)(layers=[
+      k.Input((LSTM_LEN,), dtype="int32"),
+      k.layers.Embedding(VOCAB, LSTM_EMBED),
+      k.layers.LSTM(LSTM_UNITS),
+      k.layers.Dense(2)])
+
+
 # name -> (builder, input shape, "float" or "int" inputs, number of classes,
 #          vocabulary for int inputs)
 MODELS = {
@@ -124,6 +138,7 @@ MODELS = {
     "cifar_cnn": (cifar_cnn, (32, 32, 3), "float", 10),
     "embedding_bag": (embedding_bag, (TEXT_LEN,), "int", 2),
     "transformer": (transformer, (SEQ_LEN,), "int", 2),
+    "lstm_text": (lstm_text, (LSTM_LEN,), "int", 2),
 }
 
 

@@ -477,13 +477,3 @@ def test_privacy_tensorboard_writes_epsilon_and_diagnostics(tmp_path):
   np.testing.assert_allclose(phi, (1.1 * 1.0 / 32) ** 2, rtol=1e-5)
   with pytest.raises(ValueError, match="update_freq"):
     dp.PrivacyTensorBoard(log_dir, N, 1e-5, update_freq=0)
-
-
-def test_mixed_precision_is_refused_clearly():
-  keras.mixed_precision.set_global_policy("mixed_bfloat16")
-  try:
-    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(K)])
-  finally:
-    keras.mixed_precision.set_global_policy("float32")
-  with pytest.raises(ValueError, match="mixed precision"):
-    dp.make_private(model)

@@ -113,6 +113,48 @@ def sequential_units(enabled=True):
     _SEQUENTIAL.pop()
 
 
+_LOSS_SCALE = []  # trace-time static loss scale (mixed_float16)
+
+
+@contextlib.contextmanager
+def loss_scale(scale):
+  """Within it, every unit's backward pass runs on ``scale · loss_u``.
+
+  For float16 compute (mixed precision): small gradients of the float16
+  activations would underflow to 0 in the backward pass. ``scale`` is a
+  static power of two fixed when the step is traced, never a function of the
+  data: a step skipped or rescaled because some unit overflowed would reveal
+  that unit (a data-dependent decision outside the clipping). The gradients
+  are divided by ``scale`` in float32 (exact: a power of two) before any norm
+  or clipping, so the clip bound C and the noise σC are untouched; a unit
+  whose scaled gradient overflows is non-finite and zeroed alone
+  (``num_nonfinite``), like any other non-finite unit.
+  """
+  _LOSS_SCALE.append(float(scale))
+  try:
+    yield
+  finally:
+    _LOSS_SCALE.pop()
+
+
+def current_loss_scale():
+  """The static loss scale of the innermost :func:`loss_scale` (1.0 outside)."""
+  return _LOSS_SCALE[-1] if _LOSS_SCALE else 1.0
+
+
+def unscale(t, dtype=tf.float32):
+  """``t / scale`` in (at least) float32: float16/bfloat16 values are cast
+  first, so dividing by the power-of-two scale is exact."""
+  if t is None:
+    return t
+  if isinstance(t, tf.IndexedSlices):
+    return tf.IndexedSlices(unscale(t.values, dtype), t.indices, t.dense_shape)
+  if t.dtype in (tf.float16, tf.bfloat16):
+    t = tf.cast(t, dtype)
+  scale = current_loss_scale()
+  return t if scale == 1.0 else t / tf.cast(scale, t.dtype)
+
+
 def map_units(fn, units):
   """``fn`` on every unit alone, results stacked.
 
@@ -145,12 +187,15 @@ def map_units(fn, units):
 
 
 def _unit_gradient(unit_loss_fn, params, unit):
+  scale = current_loss_scale()
   with tf.GradientTape() as tape:
     tape.watch(params)
     loss, aux = unit_loss_fn(params, unit)
+    scaled = loss if scale == 1.0 else loss * tf.cast(scale, loss.dtype)
   grads = tape.gradient(
-      loss, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-  return grads, loss, aux
+      scaled, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  # (params are float32 variables' values: the gradients are float32 here)
+  return [unscale(g) for g in grads], loss, aux
 
 
 def per_unit_gradients(unit_loss_fn, params, units):

@@ -49,6 +49,7 @@ import tensorflow as tf
 
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import ghost
+from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
 
 
@@ -440,6 +441,7 @@ class _Normalization(_Materialized):
         normalized = self.original_call(call.merged(call.inputs),
                                         **call.kwargs)
       delta = call.merged(delta)
+      normalized = tf.cast(normalized, delta.dtype)  # (mixed precision)
       grads = [_per_unit_sum(ghost.broadcast_grads(
           delta * normalized if v is layer.gamma else delta, v.shape),
                              call.rows) for v in self.variables]
@@ -670,17 +672,20 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
       if recorder.problem:
         raise Unsupported(recorder.problem)
       loss = unit_loss_fn(uy, y_pred, uw)
+      scale = per_example.current_loss_scale()  # static (mixed_float16)
+      scaled = loss if scale == 1.0 else loss * tf.cast(scale, loss.dtype)
     calls = [c for rule in rules for c in rule.calls]
-    for c in calls:
-      if c.inputs.dtype.is_floating and c.inputs.dtype != c.z.dtype:
-        raise Unsupported("layers compute in a dtype other than their "
-                          "inputs' (mixed precision)")
-    deltas = tape.gradient(loss, [c.z for c in calls],
+    deltas = tape.gradient(scaled, [c.z for c in calls],
                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return loss, y_pred, [c.inputs for c in calls], deltas
 
   unit_losses, y_pred, inputs, flat_deltas = tf.vectorized_map(
       evaluate_unit, units, fallback_to_while_loop=False)
+  # Mixed precision: float16/bfloat16 records are book-kept in float32 (the
+  # norms in float64, core.ghost), δ unscaled exactly before any norm.
+  inputs = [tf.cast(a, tf.float32) if a.dtype in (tf.float16, tf.bfloat16)
+            else a for a in inputs]
+  flat_deltas = [per_example.unscale(d) for d in flat_deltas]
   # Swap each rule's per-unit records for the stacked ones (same order).
   deltas, start = [], 0
   for rule in rules:

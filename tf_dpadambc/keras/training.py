@@ -17,6 +17,7 @@ all inside the one function Keras compiles (``jit_compile=True`` works).
 Losses, metrics, sample weights and validation behave as in plain Keras.
 """
 import logging
+import math
 import types
 
 import keras
@@ -35,6 +36,17 @@ _CLIPPING = "_tf_dpadambc_clipping"
 _PLAN = "_tf_dpadambc_plan"
 _METHODS = ("auto", "ghost", "vectorized")
 _METRICS = "_tf_dpadambc_metrics"
+_LOSS_SCALE = "_tf_dpadambc_loss_scale"
+# The static loss scale under float16 compute (make_private(loss_scale=...)).
+# A unit's loss is the mean over its own examples (one by default), not over
+# the batch: its output gradients are O(1), where Keras' dynamic scaling
+# starts at 2**15 for a batch mean. 2**10 (Keras' start per example of a
+# batch of 32) keeps float16 gradients down to 2**-34 (instead of 2**-24)
+# from flushing to zero and leaves 64x headroom below float16's maximum
+# (65504) for gradients of magnitude 1; a unit that still overflows is zeroed
+# alone (never the step).
+DEFAULT_FLOAT16_LOSS_SCALE = 2.0 ** 10
+_LOW_PRECISION = (tf.float16, tf.bfloat16)
 _UNVERIFIED = "dp_unverified_steps"
 _DIAGNOSTICS = "_tf_dpadambc_diagnostics"
 # Every optimizer diagnostic the train step may log (core.diagnostics).
@@ -49,6 +61,10 @@ def _batch_size(x):
 
 def _per_example_values(example_loss, y, y_pred):
   """The loss of every example: unreduced values, averaged over non-batch axes."""
+  # Mixed precision: the loss in float32 (as Keras' Loss.__call__ does).
+  y_pred = tf.nest.map_structure(
+      lambda t: tf.cast(t, tf.float32) if t.dtype in _LOW_PRECISION else t,
+      y_pred)
   values = example_loss(y, y_pred)
   rank = values.shape.rank
   if rank == 0:
@@ -129,7 +145,8 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   """
   params, _, _, _, unit_loss_fn, units = _unit_losses(
       model, x, y, sample_weight, num_microbatches)
-  with per_example.sequential_units(_compat.has_recurrent_layers(model)):
+  with per_example.sequential_units(_compat.has_recurrent_layers(model)), \
+      per_example.loss_scale(loss_scale(model)):
     grads, losses, y_pred = per_example.per_unit_gradients(
         unit_loss_fn, params, units)
   return grads, losses, per_example.merge_microbatches(y_pred)
@@ -167,7 +184,8 @@ def private_gradient_sum(model, x, y, sample_weight, clip,
   """
   if method not in _METHODS:
     raise ValueError(f"clipping={method!r}: use one of {_METHODS}.")
-  with per_example.sequential_units(_compat.has_recurrent_layers(model)):
+  with per_example.sequential_units(_compat.has_recurrent_layers(model)), \
+      per_example.loss_scale(loss_scale(model)):
     return _private_gradient_sum(model, x, y, sample_weight, clip,
                                  num_microbatches, method)
 
@@ -211,6 +229,39 @@ def _private_gradient_sum(model, x, y, sample_weight, clip, num_microbatches,
   return result, unit_losses, per_example.merge_microbatches(y_pred)
 
 
+def _computes_in(model, dtype):
+  return any(layer.dtype_policy.compute_dtype == dtype
+             for layer in _compat.flatten_layers(model))
+
+
+def loss_scale(model):
+  """The static loss scale of the model's private train step.
+
+  ``make_private(model, loss_scale=...)``'s value; by default
+  :data:`DEFAULT_FLOAT16_LOSS_SCALE` where a layer computes in float16
+  (``mixed_float16``), else 1 (bfloat16 has float32's range). Each unit's
+  backward pass runs on S·loss_u and its gradient is divided by S in float32
+  before any norm (``core.per_example.loss_scale``): S never changes the clip
+  bound or the noise.
+  """
+  scale = getattr(model, _LOSS_SCALE, None)
+  if scale is not None:
+    return scale
+  return DEFAULT_FLOAT16_LOSS_SCALE if _computes_in(model, "float16") else 1.0
+
+
+def _check_loss_scale(value):
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      value >= 1 and math.frexp(value)[0] == 0.5) or math.isinf(value):
+    raise ValueError(
+        f"loss_scale={value!r}: use None (automatic) or a power of two ≥ 1, "
+        "a Python number (static: it is fixed when the step is traced, never "
+        "adapted to the data).")
+  return float(value)
+
+
 def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
   """True if the batched forward pass gives each unit the predictions (and,
   with ``y``, the per-example loss values) it gets alone (inference mode, so
@@ -222,8 +273,14 @@ def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
   across rows, attention over the batch), or a loss that does (values
   centred over the batch), fails it. Tolerance: ``rtol`` of each value plus
   ``rtol`` of the output's mean magnitude (float32 sums ordered differently
-  in a batch), plus 1e-6.
+  in a batch), plus 1e-6; at least 1e-2 where a layer computes in float16
+  and 3e-2 in bfloat16 (a few units of their last place: the batched and
+  per-unit passes round differently).
   """
+  if _computes_in(model, "bfloat16"):
+    rtol = max(rtol, 3e-2)
+  elif _computes_in(model, "float16"):
+    rtol = max(rtol, 1e-2)
   non_trainable = [v.value for v in model.non_trainable_variables]
   params = [v.value for v in model.trainable_variables]
   example_loss = None if y is None else _compat.example_loss_fn(model)
@@ -381,6 +438,14 @@ def _advance_seed_generators(model):
 def _dp_train_step(self, data):
   """The train step ``make_private`` installs (``self`` is the model)."""
   optimizer = self.optimizer
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    raise TypeError(
+        "This model was made private with tf_dpadambc.make_private, but its "
+        "optimizer is a LossScaleOptimizer: its dynamic loss scale skips "
+        "steps depending on the data, which private training must not do. "
+        "Compile with the DP optimizer itself; under mixed_float16 the "
+        "private step applies a static loss scale "
+        "(make_private(loss_scale=...)).")
   if not isinstance(optimizer, base.DPOptimizer):
     raise TypeError(
         "This model was made private with tf_dpadambc.make_private, but it is "
@@ -607,7 +672,40 @@ def _checked_train_function(model):
   object.__setattr__(model, "make_train_function", make_train_function)
 
 
-def make_private(model, clipping="auto"):
+def _without_loss_scale_optimizer(model):
+  """Replaces a Keras ``LossScaleOptimizer`` around a DP optimizer by the DP
+  optimizer itself (logging a warning): its dynamic loss scale skips a step,
+  and lowers the scale, when the batch's gradients overflow — a decision
+  taken on the data outside the clipping, which private training must never
+  make. The private step applies its own static scale instead."""
+  optimizer = getattr(model, "optimizer", None)
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
+      optimizer.inner_optimizer, base.DPOptimizer):
+    logging.getLogger(__name__).warning(
+        "Model '%s': the DP optimizer was wrapped in a LossScaleOptimizer; "
+        "private training uses the DP optimizer itself with a static loss "
+        "scale (make_private(loss_scale=...)): a dynamic scale skips steps "
+        "depending on the data.", model.name)
+    model.optimizer = optimizer.inner_optimizer
+
+
+def _compile_without_loss_scaling(model):
+  """``compile`` that never wraps the DP optimizer in a LossScaleOptimizer
+  (Keras does so under ``mixed_float16`` unless ``auto_scale_loss=False``)."""
+  compile_ = model.compile
+  if getattr(compile_, "_tf_dpadambc_checked", False):
+    return
+
+  def compile(*args, **kwargs):  # pylint: disable=redefined-builtin
+    kwargs.setdefault("auto_scale_loss", False)
+    compile_(*args, **kwargs)
+    _without_loss_scale_optimizer(model)
+  compile._tf_dpadambc_checked = True  # pylint: disable=protected-access
+  compile.__doc__ = compile_.__doc__
+  object.__setattr__(model, "compile", compile)
+
+
+def make_private(model, clipping="auto", loss_scale=None):
   """Gives a Keras 3 model a differentially private train step; returns it.
 
       model = tf_dpadambc.make_private(model)
@@ -637,6 +735,17 @@ def make_private(model, clipping="auto"):
   back; ``"vectorized"`` always uses vectorized per-unit gradients.
   :func:`clipping_plan` shows the plan, per layer.
 
+  Mixed precision (``mixed_float16``, ``mixed_bfloat16``, or per-layer
+  dtype policies): variables, norms, clipping, noise and the update stay in
+  float32 (norms of ghost clipping in float64). Under float16 compute each
+  unit's backward pass runs on S·loss_u with a static power of two S
+  (``loss_scale``; default 2**10 for float16, 1 otherwise), divided out
+  exactly in float32 before any norm, so S never touches C or the noise σC.
+  A unit whose scaled gradient overflows is zeroed alone (counted in
+  ``dp_nonfinite_examples``); no step is ever skipped or rescaled depending
+  on the data. Keras' ``LossScaleOptimizer`` (dynamic scaling) is not used:
+  ``compile`` does not wrap the DP optimizer in one.
+
   Call it again after ``keras.models.load_model``: the train step is not
   saved with the model. Raises ``ValueError`` for layers that mix examples
   (BatchNormalization).
@@ -650,6 +759,9 @@ def make_private(model, clipping="auto"):
   if clipping not in _METHODS:
     raise ValueError(f"clipping={clipping!r}: use one of {_METHODS}.")
   object.__setattr__(model, _CLIPPING, clipping)
+  object.__setattr__(model, _LOSS_SCALE, _check_loss_scale(loss_scale))
+  _compile_without_loss_scaling(model)
+  _without_loss_scale_optimizer(model)
   if not getattr(model, _MARK, False):
     metrics = (keras.metrics.Mean(name="dp_clipped_fraction"),
                keras.metrics.Sum(name="dp_nonfinite_examples"),

@@ -11,18 +11,12 @@ _CROSS_EXAMPLE_LAYERS = (keras.layers.BatchNormalization,)
 
 
 def check_model(model):
-  """Raises ValueError for layers that break per-example sensitivity, and for
-  what private training does not support yet (mixed precision)."""
+  """Raises ValueError for layers that break per-example sensitivity.
+
+  Mixed precision is supported (``make_private``: float32 variables, norms,
+  clipping and noise; a static loss scale under float16).
+  """
   for layer in _compat.flatten_layers(model):
-    policy = layer.dtype_policy
-    if policy.compute_dtype != policy.variable_dtype:
-      raise ValueError(
-          f"Layer '{layer.name}' uses the mixed-precision policy "
-          f"'{policy.name}' (computes in {policy.compute_dtype}, keeps "
-          f"{policy.variable_dtype} weights). Private training does not "
-          "support mixed precision yet: build the model under "
-          "keras.mixed_precision.set_global_policy('float32') (or pass "
-          "dtype='float32' to its layers).")
     if isinstance(layer, _CROSS_EXAMPLE_LAYERS):
       raise ValueError(
           f"Layer '{layer.name}' ({layer.__class__.__name__}) normalizes with "

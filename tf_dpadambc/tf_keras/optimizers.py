@@ -48,6 +48,7 @@ class, same name and arguments); ``DPKerasSGDOptimizer``,
 constructor signature.
 """
 import logging
+import sys
 
 import tensorflow as tf
 import tf_keras
@@ -74,6 +75,16 @@ _AGGREGATED_GRADIENTS_ERROR = (
     "per-example losses of a batch. "
     "(Mixed-precision loss scaling wraps the optimizer and calls "
     "`apply_gradients`: it is not supported.)")
+
+_MIXED_PRECISION_ERROR = (
+    "tf_dpadambc's tf_keras adapter does not support mixed precision "
+    "({what}): tf_keras' LossScaleOptimizer scales the batch's aggregated "
+    "loss and skips steps when it overflows (a decision on the data outside "
+    "the clipping), and per-unit evaluation in float16/bfloat16 is not "
+    "checked here. Build the model under tf_keras.mixed_precision."
+    "set_global_policy('float32'), or use Keras 3 with "
+    "tf_dpadambc.make_private, which supports mixed_float16 and "
+    "mixed_bfloat16 (static loss scale, float32 clipping and noise).")
 
 _SCALAR_LOSS_ERROR = (
     "{name}.minimize received a scalar loss: the loss was reduced over the "
@@ -298,6 +309,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
 
   # ---------------------------------------------------------- the guard
   def apply_gradients(self, grads_and_vars, *args, **kwargs):
+    if _called_by_loss_scale_optimizer():
+      raise ValueError(_MIXED_PRECISION_ERROR.format(
+          what="the optimizer is wrapped in a LossScaleOptimizer, as "
+          "compile does under mixed_float16"))
     raise RuntimeError(
         _AGGREGATED_GRADIENTS_ERROR.format(name=type(self).__name__))
 
@@ -662,6 +677,11 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     model = _compat.calling_model(self, var_list)
     if model is not None:
       for layer in _compat.all_layers(model):
+        policy = getattr(layer, "dtype_policy", None)
+        if policy is not None and getattr(policy, "compute_dtype", None) != (
+            getattr(policy, "variable_dtype", None)):
+          raise ValueError(_MIXED_PRECISION_ERROR.format(
+              what=f"layer '{layer.name}' uses the policy '{policy.name}'"))
         if isinstance(layer, _compat.CROSS_EXAMPLE_LAYERS):
           raise ValueError(_CROSS_EXAMPLE_ERROR.format(
               layer=layer.name, cls=type(layer).__name__))
@@ -807,3 +827,14 @@ TF_PRIVACY_NAMES = [
     "VectorizedDPKerasAdagradOptimizer"]
 __all__ = (["TFKerasDPOptimizer", "adapter_class"] + sorted(_CLASSES)
            + TF_PRIVACY_NAMES)
+
+
+def _called_by_loss_scale_optimizer():
+  """True if a tf_keras LossScaleOptimizer is on the Python stack."""
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  wrapper = tf_keras.mixed_precision.LossScaleOptimizer
+  while frame is not None:
+    if isinstance(frame.f_locals.get("self"), wrapper):
+      return True
+    frame = frame.f_back
+  return False

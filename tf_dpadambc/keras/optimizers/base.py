@@ -164,8 +164,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     accumulation_steps = check_count(
         "gradient_accumulation_steps", gradient_accumulation_steps) or 1
     if kwargs.get("loss_scale_factor") is not None:
-      raise ValueError("loss_scale_factor (mixed-precision loss scaling) is "
-                       "not supported by the private train step.")
+      raise ValueError(
+          "loss_scale_factor is not supported by DP optimizers: the private "
+          "train step scales each unit's loss itself under mixed_float16 "
+          "(static, divided out before clipping: "
+          "tf_dpadambc.make_private(model, loss_scale=...)).")
     mechanism = mechanisms.deserialize(noise)
     if (mechanism.l2_norm_clip is not None
         or mechanism.noise_multiplier is not None):
