@@ -68,6 +68,15 @@ noise_variance: per-coordinate variance of the noise in ``first``.
 """
 
 
+def _after_inputs(*inputs):
+  """Control dependencies on the graph tensors among ``inputs`` (nests):
+  the ops created under it run only once the batch's data exists."""
+  tensors = [t for t in tf.nest.flatten(inputs)
+             if tf.is_tensor(t) and not isinstance(t, tf.Variable)
+             and hasattr(t, "graph") and not tf.executing_eagerly()]
+  return tf.control_dependencies(tensors)
+
+
 def check_clip(value):
   """A clip norm C > 0, or a list of per-variable bounds C_k > 0."""
   if isinstance(value, (list, tuple)):
@@ -533,6 +542,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
       clipped_square_sum: Σ_u clip(g_u)², for optimizers that need it (joint
         moment estimation); taken from a ``ClippedSum`` when given one.
     """
+    # Every op of the step waits for this batch's data: where the input
+    # iterator ends inside a compiled step (an empty dataset, the end of an
+    # epoch of unknown size), nothing runs. Keras would otherwise still
+    # advance `iterations` (ops independent of the data run anyway), and a
+    # step that released nothing would be counted.
+    with _after_inputs(clipped_sum, clipped_square_sum, num_units):
+      self._apply_private(clipped_sum, num_units, num_examples,
+                          trainable_variables, clipped_square_sum)
+
+  def _apply_private(self, clipped_sum, num_units, num_examples,
+                     trainable_variables=None, clipped_square_sum=None):
     if self.query is not None:
       raise TypeError(
           f"{self.name} privatizes with a DPQuery, which clips each unit "
@@ -645,10 +665,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._examples_seen.assign_add(num_examples)
 
   def _release_sample(self, sample, num_units, num_examples, variables):
-    num_examples = tf.cast(num_examples, tf.int64)
-    self._note_physical_batch(num_examples)
-    self._release(sample, None, tf.cast(num_units, tf.int64), num_examples,
-                  variables)
+    with _after_inputs(sample, num_units):  # as apply_private
+      num_examples = tf.cast(num_examples, tf.int64)
+      self._note_physical_batch(num_examples)
+      self._release(sample, None, tf.cast(num_units, tf.int64),
+                    num_examples, variables)
 
   def _release(self, clipped_sum, clipped_square_sum, num_units,
                num_examples, variables):
