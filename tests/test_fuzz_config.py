@@ -139,7 +139,7 @@ def _release(optimizer):
   return np.concatenate([r.ravel() for r in optimizer.last_release])
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
+@settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(config=CONFIGS)
 def test_every_configuration_trains_as_claimed_or_refuses_clearly(config):
