@@ -386,7 +386,13 @@ def test_running_past_the_plan_lowers_the_accounted_sigma():
 def test_cyclic_poisson_is_amplified_banded_mf():
   banded = mf.Toeplitz([1.0, 0.4])
   opt = _trained(banded, epochs=2, steps=4)
-  event = opt.dp_event(variants.N, batch_size=2, sampling="cyclic_poisson")
+  # The run's fixed-size batches were not cyclic Poisson: no amplified ε for
+  # it; the mechanism's formula (a plan) is still there.
+  with pytest.raises(ValueError, match="not hold for this run"):
+    opt.dp_event(variants.N, batch_size=2, sampling="cyclic_poisson")
+  event = opt.noise.accounting_event(
+      opt.accounted_noise_multiplier(variants.N), opt.steps_taken,
+      "cyclic_poisson", 2, variants.N)
   column = np.linalg.norm([1.0, 0.4])
   want = dp_accounting.SelfComposedDpEvent(
       dp_accounting.PoissonSampledDpEvent(
@@ -395,7 +401,8 @@ def test_cyclic_poisson_is_amplified_banded_mf():
   assert event == want
   blt = _trained(STRATEGIES["blt"], epochs=1, steps=2)
   with pytest.raises(ValueError, match="banded strategy"):
-    blt.dp_event(variants.N, sampling="cyclic_poisson")
+    blt.noise.accounting_event(1.5, blt.steps_taken, "cyclic_poisson", 2,
+                               variants.N)
 
 
 def test_cyclic_batches_repeat_the_same_order_every_epoch():

@@ -15,6 +15,7 @@ whose amplification the headline ε (``compute_epsilon``'s default) assumes
 (Abadi et al. 2016). Pair it with an optimizer built with
 ``expected_batch_size=B``.
 """
+import dataclasses
 import numbers
 import secrets
 
@@ -103,16 +104,22 @@ def poisson_max_batch_size(num_examples, expected_batch_size, steps=1,
   probability ≤ ``overflow_probability`` (1e-9).
   """
   b = _check_poisson_size(num_examples, expected_batch_size)
+  return _binomial_max(num_examples, b / num_examples, b, steps,
+                       overflow_probability)
+
+
+def _binomial_max(n, q, floor, steps, overflow_probability):
+  """The smallest M ≥ floor with steps · P(Binomial(n, q) > M) ≤ the bound
+  (at most n)."""
   if not 0 < overflow_probability < 1:
     raise ValueError("overflow_probability must be in (0, 1); got "
                      f"{overflow_probability}.")
   target = overflow_probability / steps
-  q = b / num_examples
-  m = int(min(num_examples, max(b, stats.binom.isf(target, num_examples, q))))
+  m = int(min(n, max(floor, stats.binom.isf(target, n, q))))
   # isf is a float search: settle the boundary with the exact tail.
-  while m < num_examples and stats.binom.sf(m, num_examples, q) > target:
+  while m < n and stats.binom.sf(m, n, q) > target:
     m += 1
-  while m > 1 and stats.binom.sf(m - 1, num_examples, q) <= target:
+  while m > 1 and stats.binom.sf(m - 1, n, q) <= target:
     m -= 1
   return m
 
@@ -203,26 +210,7 @@ def poisson_batches(x, y=None, *, expected_batch_size, sample_weight=None,
     A ``tf.data.Dataset`` of ``steps_per_epoch`` elements ``(x, y, w)`` with
     leading dimension M; each iteration draws new batches.
   """
-  if isinstance(x, tf.data.Dataset):
-    if y is not None or sample_weight is not None:
-      raise ValueError("With a tf.data.Dataset, y and sample_weight come from "
-                       "the dataset's elements: pass them there.")
-    element = _materialize(x)
-    if isinstance(element, tuple) and len(element) in (2, 3):
-      x, y = element[0], element[1]
-      sample_weight = element[2] if len(element) == 3 else None
-    elif isinstance(element, tuple):
-      raise ValueError("Dataset elements must be x, (x, y) or (x, y, "
-                       f"sample_weight); got a tuple of {len(element)}.")
-    else:
-      x = element
-  arrays = tuple(None if a is None else tf.nest.map_structure(np.asarray, a)
-                 for a in (x, y, sample_weight))
-  sizes = {len(a) for a in tf.nest.flatten([a for a in arrays
-                                            if a is not None])}
-  if len(sizes) != 1:
-    raise ValueError(f"x, y and sample_weight have different lengths {sizes}.")
-  n = sizes.pop()
+  data, weights, n = _prepare(x, y, sample_weight)
   b = _check_poisson_size(n, expected_batch_size)
   q = b / n
   if steps_per_epoch is None:
@@ -234,15 +222,6 @@ def poisson_batches(x, y=None, *, expected_batch_size, sample_weight=None,
   if not b <= m <= n:
     raise ValueError(f"max_batch_size must be in [expected_batch_size = {b}, "
                      f"N = {n}]; got {m}.")
-  weights = arrays[2]
-  if weights is None:
-    weights = np.ones(n, np.float32)
-  elif weights.ndim != 1:
-    raise ValueError("sample_weight must have one weight per example (shape "
-                     f"[N]); got shape {weights.shape}.")
-  elif not np.issubdtype(weights.dtype, np.floating):
-    weights = weights.astype(np.float32)
-  data = (arrays[0], arrays[1])
   if seed is None:
     seed = secrets.randbits(128)
   elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
@@ -274,6 +253,52 @@ def poisson_batches(x, y=None, *, expected_batch_size, sample_weight=None,
       xb, yb = tf.nest.map_structure(lambda a: a[index], data)
       yield xb, yb, w
 
+  return _padded_dataset(batches, data, weights, m, steps_per_epoch)
+
+
+def _count(name, value):
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (
+      value < 1):
+    raise ValueError(f"{name} must be an integer ≥ 1; got {value!r}.")
+  return int(value)
+
+
+def _prepare(x, y, sample_weight):
+  """(data = (x, y), weights [N], N) from arrays or an unbatched dataset."""
+  if isinstance(x, tf.data.Dataset):
+    if y is not None or sample_weight is not None:
+      raise ValueError("With a tf.data.Dataset, y and sample_weight come from "
+                       "the dataset's elements: pass them there.")
+    element = _materialize(x)
+    if isinstance(element, tuple) and len(element) in (2, 3):
+      x, y = element[0], element[1]
+      sample_weight = element[2] if len(element) == 3 else None
+    elif isinstance(element, tuple):
+      raise ValueError("Dataset elements must be x, (x, y) or (x, y, "
+                       f"sample_weight); got a tuple of {len(element)}.")
+    else:
+      x = element
+  arrays = tuple(None if a is None else tf.nest.map_structure(np.asarray, a)
+                 for a in (x, y, sample_weight))
+  sizes = {len(a) for a in tf.nest.flatten([a for a in arrays
+                                            if a is not None])}
+  if len(sizes) != 1:
+    raise ValueError(f"x, y and sample_weight have different lengths {sizes}.")
+  n = sizes.pop()
+  weights = arrays[2]
+  if weights is None:
+    weights = np.ones(n, np.float32)
+  elif weights.ndim != 1:
+    raise ValueError("sample_weight must have one weight per example (shape "
+                     f"[N]); got shape {weights.shape}.")
+  elif not np.issubdtype(weights.dtype, np.floating):
+    weights = weights.astype(np.float32)
+  data = (arrays[0], arrays[1])
+  return data, weights, n
+
+
+def _padded_dataset(batches, data, weights, m, steps_per_epoch):
+  """A dataset of ``steps_per_epoch`` padded batches from a generator."""
   def spec(a):
     dtype = tf.string if a.dtype.kind in "OSU" else tf.as_dtype(a.dtype)
     return tf.TensorSpec((m,) + a.shape[1:], dtype)
@@ -286,8 +311,139 @@ def poisson_batches(x, y=None, *, expected_batch_size, sample_weight=None,
       tf.data.experimental.assert_cardinality(steps_per_epoch)).prefetch(2)
 
 
-def _count(name, value):
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (
-      value < 1):
-    raise ValueError(f"{name} must be an integer ≥ 1; got {value!r}.")
-  return int(value)
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonSampling:
+  """What a :func:`cyclic_poisson_batches` dataset samples (attached to it as
+  ``dataset.cyclic_poisson``; the privacy accounting reads it).
+
+  groups: b, the number of disjoint groups; group t mod b is sampled at
+  step t. probability: p = B·b/N, each example of the group joins the step
+  independently with it. partition: b arrays of example indices (public:
+  fixed by ``partition_seed``, independent of the data). secret_seed: False
+  when the sampling seed was given (tests and debugging only).
+  """
+  num_examples: int
+  expected_batch_size: int
+  groups: int
+  probability: float
+  steps_per_epoch: int
+  partition: tuple
+  secret_seed: bool
+
+  def group_of(self, example):
+    """The group (0..b−1) of example index ``example``."""
+    for g, members in enumerate(self.partition):
+      if example in set(members.tolist()):
+        return g
+    raise ValueError(f"No example {example} (N = {self.num_examples}).")
+
+
+def cyclic_poisson_batches(x, y=None, *, expected_batch_size, groups,
+                           sample_weight=None, steps_per_epoch=None,
+                           max_batch_size=None, seed=None, partition_seed=0):
+  """Cyclic Poisson sampling: the batches amplified BandMF assumes.
+
+  The N examples are split once into b = ``groups`` disjoint groups of
+  ⌊N/b⌋ or ⌈N/b⌉ examples (a permutation by ``partition_seed``, cut
+  round-robin). Step t (counted from the start of the run) uses group
+  t mod b only: each of its examples joins the batch independently with
+  probability p = B·b/N, afresh at every visit. An example can then be in
+  steps t ≡ its group (mod b) only, at least b steps apart.
+
+  With a b̂-banded strategy, b̂ ≤ b (``CorrelatedNoise(mf.optimize_banded
+  (...))`` or ``mf.Toeplitz``), the run is exactly as private as DP-SGD with
+  the same σ, sampling probability p and ceil(n/b) steps (Choquette-Choo et
+  al. 2023, "(Amplified) banded matrix factorization", Theorem 4; for b̂ < b
+  the columns of C that one example touches are still orthogonal). That is
+  the ε ``optimizer_privacy_statement`` reports for the run, once the
+  optimizer's ledger has verified that every step it released took group
+  t mod b of this dataset (see ``accounting.cyclic``): the optimizer needs
+  ``expected_batch_size=B`` and ``make_private``'s ``fit``, the dataset is
+  passed to ``fit`` as returned (any transformation loses the
+  verification), and every epoch must start at a step t ≡ 0 (mod b)
+  (``steps_per_epoch`` is a multiple of b; resume only at epoch
+  boundaries).
+
+  Batches are padded to ``max_batch_size`` rows with weight-0 copies of
+  example 0, as :func:`poisson_batches`; the optimizer divides by B, never by
+  the realized size. A batch larger than M is never truncated (iteration
+  raises).
+
+  Args:
+    x, y, sample_weight: as :func:`poisson_batches`.
+    expected_batch_size: B ≥ 1, with p = B·b/N ≤ 1.
+    groups: b ≥ 1 (b = 1 is plain Poisson sampling).
+    steps_per_epoch: a multiple of b; default b·max(1, round(N/(B·b))), so
+      that an epoch sees each example about once in expectation.
+    max_batch_size: M; default the smallest M with
+      P(some step of an epoch draws more than M) ≤ 1e-9.
+    seed: None (default) draws the sampling randomness from the OS and must
+      stay secret; an integer is for tests and debugging.
+    partition_seed: the (public) permutation that forms the groups; keep
+      it for the whole run (also when resuming).
+
+  Returns:
+    A ``tf.data.Dataset`` of ``steps_per_epoch`` elements ``(x, y, w)``,
+    with a ``cyclic_poisson`` attribute (:class:`CyclicPoissonSampling`).
+  """
+  data, weights, n = _prepare(x, y, sample_weight)
+  big_b = _check_poisson_size(n, expected_batch_size)
+  b = _count("groups", groups)
+  if b > n:
+    raise ValueError(f"groups = {b} exceeds N = {n}: every group needs an "
+                     "example.")
+  p = big_b * b / n
+  if p > 1:
+    raise ValueError(
+        f"Cyclic Poisson sampling with b = {b} groups of about N/b = "
+        f"{n / b:.4g} examples cannot give batches of expected size {big_b} "
+        f"(p = B·b/N = {p:.4g} > 1): use fewer groups or a smaller batch.")
+  if steps_per_epoch is None:
+    steps_per_epoch = b * max(1, round(n / (big_b * b)))
+  steps_per_epoch = _count("steps_per_epoch", steps_per_epoch)
+  if steps_per_epoch % b:
+    raise ValueError(
+        f"steps_per_epoch = {steps_per_epoch} is not a multiple of groups = "
+        f"{b}: every epoch must start with group 0, so that step t uses "
+        "group t mod b across epochs.")
+  order = np.random.default_rng(partition_seed).permutation(n)
+  partition = tuple(np.sort(order[g::b]) for g in range(b))
+  largest = max(len(members) for members in partition)
+  if max_batch_size is None:
+    max_batch_size = _binomial_max(largest, p, 1, steps_per_epoch,
+                                   OVERFLOW_PROBABILITY)
+  m = _count("max_batch_size", max_batch_size)
+  if m > largest:
+    m = largest  # no group can fill more rows than it has examples
+  secret = seed is None
+  if secret:
+    seed = secrets.randbits(128)
+  elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    raise ValueError(f"seed must be None or an integer; got {seed!r}.")
+  rng = np.random.default_rng(seed)
+
+  def batches():
+    for i in range(steps_per_epoch):
+      members = partition[i % b]
+      # Each member independently with probability p: a Binomial(|group|, p)
+      # size, then a uniform subset of that size.
+      size = int(rng.binomial(len(members), p))
+      if size > m:
+        raise ValueError(
+            f"A cyclic Poisson batch drew {size} examples, more than "
+            f"max_batch_size = {m}. Batches are never truncated (that would "
+            "change the sampling the ε assumes): build the dataset again "
+            "with a larger max_batch_size and a new (secret) seed.")
+      index = np.zeros(m, np.int64)  # padded rows: example 0, weight 0
+      index[:size] = np.sort(rng.choice(members, size, replace=False))
+      w = np.zeros(m, weights.dtype)
+      w[:size] = weights[index[:size]]
+      xb, yb = tf.nest.map_structure(lambda a: a[index], data)
+      yield xb, yb, w
+
+  dataset = _padded_dataset(batches, data, weights, m, steps_per_epoch)
+  dataset.cyclic_poisson = CyclicPoissonSampling(
+      num_examples=n, expected_batch_size=big_b, groups=b, probability=p,
+      steps_per_epoch=steps_per_epoch, partition=partition,
+      secret_seed=secret)
+  return dataset

@@ -365,8 +365,16 @@ class CorrelatedNoise(NoiseMechanism):
       return k, 1
     raise ValueError(f"Unknown sampling {sampling!r}.")
 
+  @property
+  def supports_cyclic_poisson(self):
+    """True for a banded strategy (Identity, or a Toeplitz with fewer bands
+    than steps): amplified BandMF applies to cyclic Poisson batches."""
+    s = self.strategy
+    return isinstance(s, strategies.Identity) or (
+        isinstance(s, strategies.Toeplitz) and s.bands <= self.steps)
+
   def accounting_event(self, noise_multiplier, steps, sampling, batch_size,
-                       num_examples, steps_per_epoch=None):
+                       num_examples, steps_per_epoch=None, groups=None):
     """The DpEvent of ``steps`` steps of this mechanism.
 
     ``sampling``:
@@ -376,7 +384,7 @@ class CorrelatedNoise(NoiseMechanism):
     * ``"cyclic_poisson"``: amplified BandMF (Choquette-Choo et al. 2023,
       Theorem 4) for a banded C: the N examples split into b groups, step t
       Poisson-samples group t mod b with probability p = B·b/N (expected
-      batch size B).
+      batch size B); b = ``groups`` (≥ the bands; default the bands).
     * ``"poisson"``: refused — plain Poisson sampling has no closed-form
       accounting with correlated noise.
     """
@@ -390,7 +398,7 @@ class CorrelatedNoise(NoiseMechanism):
       return dp_accounting.NoOpDpEvent()
     if sampling == "cyclic_poisson":
       return self._amplified_event(noise_multiplier, steps, batch_size,
-                                   num_examples)
+                                   num_examples, groups)
     if steps_per_epoch is None:
       steps_per_epoch = events.batches_per_epoch(num_examples, batch_size)
     k, s = self.participation(steps, sampling, steps_per_epoch)
@@ -399,17 +407,21 @@ class CorrelatedNoise(NoiseMechanism):
                                          actual)
 
   def _amplified_event(self, noise_multiplier, steps, batch_size,
-                       num_examples):
+                       num_examples, groups=None):
     s = self.strategy
-    if isinstance(s, strategies.Identity):
-      bands = 1
-    elif isinstance(s, strategies.Toeplitz) and s.bands <= self.steps:
-      bands = s.bands
-    else:
+    if not self.supports_cyclic_poisson:
       raise ValueError(
           "Amplification by cyclic Poisson sampling (Choquette-Choo et al. "
           "2023, Theorem 4) needs a banded strategy (Identity or a Toeplitz "
           f"with fewer bands than steps); got {s!r}.")
+    bands = 1 if isinstance(s, strategies.Identity) else s.bands
+    if groups is not None and groups < bands:
+      raise ValueError(
+          f"Cyclic Poisson sampling with b = {groups} groups and a "
+          f"{bands}-banded strategy: an example's participations, b steps "
+          "apart, would share bands of C (Theorem 4 needs b ≥ the bands). "
+          f"Use groups ≥ {bands}.")
+    bands = groups or bands
     probability = batch_size * bands / num_examples
     if probability > 1:
       raise ValueError(

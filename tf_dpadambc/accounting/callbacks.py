@@ -19,6 +19,16 @@ def run_sampling(optimizer, sampling=None):
   with correlated noise) pass through to ``dp_event``.
   """
   poisson = getattr(optimizer, "expected_batch_size", None) is not None
+  inner = getattr(optimizer, "keras_optimizer", optimizer)
+  if poisson and getattr(inner, "is_correlated", False):
+    # Banded DP-MF on Poisson batches: only the amplified (cyclic Poisson)
+    # ε can hold, and dp_event gives it only where the ledger verified it.
+    if sampling not in (None, "cyclic_poisson"):
+      raise ValueError(
+          f"sampling={sampling!r}, but {optimizer.name} takes cyclic Poisson "
+          "batches (correlated noise with expected_batch_size): only "
+          "sampling='cyclic_poisson' can hold. Leave it None.")
+    return "cyclic_poisson"
   if sampling is None:
     return "poisson" if poisson else "shuffle"
   if poisson and sampling != "poisson":
@@ -157,6 +167,8 @@ _SAMPLING_TEXT = {
     "shuffle": "fixed-size batches, each example once per epoch (no "
                "amplification by sampling)",
     "cyclic": "the same batches in the same order every epoch (cyclic)",
+    "cyclic_poisson": "cyclic Poisson batches (data.cyclic_poisson_batches; "
+                      "amplified BandMF)",
 }
 
 

@@ -72,6 +72,11 @@ NOTES = {
 
 STATE_SIZE = 32
 _VERSION = 1
+# Slots 27..31 hold the cyclic Poisson record (the branches use at most
+# 13 + 5·2 = 23 slots: the dynamic program keeps ≤ 2 branches).
+_CP_SLOT = 27
+CP_BROKEN = 1
+CP_FIXED_SEED = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +145,14 @@ class LedgerState:
   # c -> worst case over the closed releases, with c occurrences placed in
   # the open release (the one holding batch `position`, if position % k).
   branches: dict = dataclasses.field(default_factory=lambda: {0: Releases()})
+  # Cyclic Poisson sampling verified step by step (accounting.cyclic): the
+  # sampler's b, B and N, the physical batches that took group t mod b at
+  # step t, and flags (CP_BROKEN: a batch did not; CP_FIXED_SEED).
+  cp_groups: int = 0
+  cp_batch_size: int = 0
+  cp_examples: int = 0
+  cp_batches: int = 0
+  cp_flags: int = 0
 
   # ------------------------------------------------------------ encoding
   def encode(self):
@@ -149,9 +162,14 @@ class LedgerState:
                 self.unknown, self.min_len, self.max_len, self.last_len,
                 self.min_separation, self.reasons, self.span, self.max_span,
                 len(self.branches)]
+    if 13 + 5 * len(self.branches) > _CP_SLOT:
+      raise ValueError("Accounting ledger: too many open branches.")
     for i, (c, r) in enumerate(sorted(self.branches.items())):
       out[13 + 5 * i:18 + 5 * i] = [c, r.single, r.double, r.more_squares,
                                     r.more_count]
+    out[_CP_SLOT:_CP_SLOT + 5] = [self.cp_groups, self.cp_batch_size,
+                                  self.cp_examples, self.cp_batches,
+                                  self.cp_flags]
     return out
 
   @classmethod
@@ -168,7 +186,10 @@ class LedgerState:
     return cls(k=k, position=v[1], open=bool(v[2]), passes=v[3],
                unknown=v[4], min_len=v[5], max_len=v[6], last_len=v[7],
                min_separation=v[8], reasons=v[9], span=v[10],
-               max_span=v[11], branches=branches or {0: Releases()})
+               max_span=v[11], branches=branches or {0: Releases()},
+               cp_groups=v[_CP_SLOT], cp_batch_size=v[_CP_SLOT + 1],
+               cp_examples=v[_CP_SLOT + 2], cp_batches=v[_CP_SLOT + 3],
+               cp_flags=v[_CP_SLOT + 4])
 
   def copy(self):
     return dataclasses.replace(self, branches=dict(self.branches))
@@ -456,6 +477,11 @@ class AccountingLedger:
     """The batches since the last boundary belong to no known pass."""
     self._update(lambda s, p: s.commit(p, known=False, reason=reason))
 
+  def record_cyclic_poisson(self, change):
+    """Applies ``change(state, position)`` to the cyclic Poisson record
+    (accounting.cyclic's recorder)."""
+    self._update(change)
+
   def flag(self, reason):
     self._update(lambda s, p: setattr(s, "reasons", s.reasons | reason))
 
@@ -568,15 +594,21 @@ def track_fit(model):
     recorder = EpochRecorder(
         epochs_are_passes=steps_per_epoch is None or finite,
         sub_epochs=steps_per_epoch is not None and finite)
+    # Cyclic Poisson batches: verified step by step (accounting.cyclic).
+    from tf_dpadambc.accounting import cyclic  # pylint: disable=g-import-not-at-top
+    cyclic_recorder = cyclic.recorder_for(arguments.get("x"))
+    ours = [recorder] + ([cyclic_recorder] if cyclic_recorder else [])
     callbacks = arguments.get("callbacks")
     if callbacks is None:
-      callbacks = [recorder]
+      callbacks = ours
     elif isinstance(callbacks, keras.callbacks.CallbackList):
-      callbacks.append(recorder)
+      for callback in ours:
+        callbacks.append(callback)
     else:
-      callbacks = [recorder] + list(callbacks)
+      callbacks = ours + list(callbacks)
     arguments["callbacks"] = callbacks
-    recorder.set_model(model)
+    for callback in ours:
+      callback.set_model(model)
     ledger = ledger_of(getattr(model, "optimizer", None))
     if ledger is not None:
       ledger.recorder = recorder

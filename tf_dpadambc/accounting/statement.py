@@ -275,6 +275,16 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
     event = optimizer.dp_event(num_examples, batch_size, sampling)
     return epsilon_lib.epsilon_of_event(event, delta, accountant)
 
+  def hypothetical():
+    """The amplified ε had the batches been cyclic Poisson (b = bands)."""
+    event = mechanism.accounting_event(sigma, steps, "cyclic_poisson",
+                                       batch_size, num_examples)
+    return epsilon_lib.epsilon_of_event(event, delta, accountant)
+
+  if getattr(optimizer, "expected_batch_size", None) is not None:
+    return "\n".join(lines + _cyclic_poisson_lines(
+        optimizer, num_examples, batch_size, steps, epsilon, hypothetical))
+
   for sampling, how in (
       ("cyclic", "if the batches repeat in the same order every epoch "
                  "(tf_dpadambc.data.cyclic_batches with one seed for the "
@@ -286,13 +296,14 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
                  f"participation(s) ≥ {s} step(s) apart.")
   lines += _how_accounted(structure)
   try:
-    amplified = epsilon("cyclic_poisson")
+    amplified = hypothetical()
     lines.append(
         f"  ε = {amplified:.3f} IF the batches were cyclic-Poisson sampled "
         "(amplified BandMF, Choquette-Choo et al. 2023, Thm 4: examples split "
         "into b groups, step t samples group t mod b with probability B·b/N)"
-        "; this library has no such sampler yet, so this figure does not "
-        "apply to fit's batches.")
+        "; it does NOT apply to this run, whose batches were fixed-size. It "
+        "would with tf_dpadambc.data.cyclic_poisson_batches and the "
+        f"optimizer's expected_batch_size={batch_size}.")
   except ValueError:
     pass  # not banded: no amplification result applies
   lines += [
@@ -303,3 +314,43 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
       "resume it mid-stream (the optimizer refuses).",
   ]
   return "\n".join(lines)
+
+
+def _cyclic_poisson_lines(optimizer, num_examples, batch_size, steps, epsilon,
+                          hypothetical):
+  """A banded DP-MF run on Poisson batches: the amplified ε if the ledger
+  verified cyclic Poisson sampling, else no ε (and why)."""
+  from tf_dpadambc.accounting import cyclic  # pylint: disable=g-import-not-at-top
+  try:
+    groups = cyclic.verified_groups(optimizer, num_examples, batch_size)
+  except ValueError as e:
+    lines = [f"  NO ε holds for this run's random-size batches. {e}"]
+    try:
+      lines.append(f"  (ε = {hypothetical():.3f} would hold for {steps:,} "
+                   "steps of verified cyclic Poisson batches.)")
+    except ValueError:
+      pass
+    return lines + [_ASSUMPTIONS]
+  amplified = epsilon("cyclic_poisson")
+  p = batch_size * groups / num_examples
+  lines = [
+      f"  sampling: cyclic Poisson, verified — the examples were split into "
+      f"b = {groups} groups and every one of the {steps:,} steps took a "
+      f"Poisson sample (probability p = B·b/N = {p:.4g}) of group t mod b "
+      "(tf_dpadambc.data.cyclic_poisson_batches; recorded step by step in "
+      "the optimizer's ledger); the noisy sum was divided by the expected "
+      "batch size B.",
+      f"  ε = {amplified:.3f} with cyclic Poisson sampling: the guarantee of "
+      "this run (amplified BandMF, Choquette-Choo et al. 2023, Theorem 4: as "
+      f"private as DP-SGD with the same σ and p for ceil({steps}/{groups}) "
+      "steps).",
+      _ASSUMPTIONS,
+      "  It also assumes the sampling randomness stayed secret "
+      "(cyclic_poisson_batches' default seed=None)"
+      + (" — this run's sampling seed was GIVEN (tests and debugging only): "
+         "whoever knows it knows the batches" if cyclic.fixed_sampling_seed(
+             optimizer) else "") + ".",
+      "  The noise stream is never saved: a run restored from a file cannot "
+      "resume it mid-stream (the optimizer refuses).",
+  ]
+  return lines

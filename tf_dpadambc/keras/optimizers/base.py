@@ -24,6 +24,7 @@ from tf_dpadambc import queries
 from tf_dpadambc._checks import check_count  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_decay  # noqa: F401 (re-exported)
 from tf_dpadambc._checks import check_positive
+from tf_dpadambc.accounting import cyclic
 from tf_dpadambc.accounting import events
 from tf_dpadambc.accounting import ledger as ledger_lib
 from tf_dpadambc.core import clipping
@@ -65,6 +66,15 @@ second: None, or a separately released second-moment input per variable
   (independent / joint moment estimation).
 noise_variance: per-coordinate variance of the noise in ``first``.
 """
+
+
+def _after_inputs(*inputs):
+  """Control dependencies on the graph tensors among ``inputs`` (nests):
+  the ops created under it run only once the batch's data exists."""
+  tensors = [t for t in tf.nest.flatten(inputs)
+             if tf.is_tensor(t) and not isinstance(t, tf.Variable)
+             and hasattr(t, "graph") and not tf.executing_eagerly()]
+  return tf.control_dependencies(tensors)
 
 
 def check_clip(value):
@@ -257,9 +267,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         (accumulation_steps > 1, "gradient_accumulation_steps (k Poisson "
          "batches together are not one Poisson sample of rate kB/N: an "
          "example can be in several); use a larger expected_batch_size"),
-        (not isinstance(mechanism, mechanisms.IndependentNoise),
-         "correlated (DP-MF) noise (no ε is known for it with plain Poisson "
-         "sampling)"),
+        (not isinstance(mechanism, mechanisms.IndependentNoise)
+         and not mechanism.supports_cyclic_poisson,
+         "correlated (DP-MF) noise of a strategy that is not banded (no ε "
+         "is known for it with Poisson sampling; a banded one takes cyclic "
+         "Poisson batches, data.cyclic_poisson_batches)"),
         (query is not None, "a DPQuery (it normalises by the realized "
          "number of units)"),
         (self._poisson_unsupported is not None, self._poisson_unsupported)]
@@ -533,6 +545,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
       clipped_square_sum: Σ_u clip(g_u)², for optimizers that need it (joint
         moment estimation); taken from a ``ClippedSum`` when given one.
     """
+    # Every op of the step waits for this batch's data: where the input
+    # iterator ends inside a compiled step (an empty dataset, the end of an
+    # epoch of unknown size), nothing runs. Keras would otherwise still
+    # advance `iterations` (ops independent of the data run anyway), and a
+    # step that released nothing would be counted.
+    with _after_inputs(clipped_sum, clipped_square_sum, num_units):
+      self._apply_private(clipped_sum, num_units, num_examples,
+                          trainable_variables, clipped_square_sum)
+
+  def _apply_private(self, clipped_sum, num_units, num_examples,
+                     trainable_variables=None, clipped_square_sum=None):
     if self.query is not None:
       raise TypeError(
           f"{self.name} privatizes with a DPQuery, which clips each unit "
@@ -645,10 +668,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     self._examples_seen.assign_add(num_examples)
 
   def _release_sample(self, sample, num_units, num_examples, variables):
-    num_examples = tf.cast(num_examples, tf.int64)
-    self._note_physical_batch(num_examples)
-    self._release(sample, None, tf.cast(num_units, tf.int64), num_examples,
-                  variables)
+    with _after_inputs(sample, num_units):  # as apply_private
+      num_examples = tf.cast(num_examples, tf.int64)
+      self._note_physical_batch(num_examples)
+      self._release(sample, None, tf.cast(num_units, tf.int64),
+                    num_examples, variables)
 
   def _release(self, clipped_sum, clipped_square_sum, num_units,
                num_examples, variables):
@@ -991,13 +1015,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if self._not_private_reason:
       raise ValueError(
           f"{self.__class__.__name__} has no ε: {self._not_private_reason}")
+    poisson = "cyclic_poisson" if self.is_correlated else "poisson"
+    if self.expected_batch_size is not None and sampling == "poisson":
+      sampling = poisson  # the default: the run's own (banded MF: cyclic)
     if self.expected_batch_size is not None and (
-        sampling != "poisson"
+        sampling != poisson
         or batch_size not in (None, self.expected_batch_size)):
       raise ValueError(
           f"{self.__class__.__name__} takes Poisson-sampled batches "
           f"(expected_batch_size={self.expected_batch_size}): only "
-          "sampling='poisson' with that batch size describes them (an "
+          f"sampling={poisson!r} with that batch size describes them (an "
           "example can be in several steps of an epoch, so the once-per-"
           f"epoch accounting does not hold); got sampling={sampling!r}, "
           f"batch_size={batch_size!r}.")
@@ -1005,6 +1032,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     if not batch_size:
       raise ValueError("No private step was taken yet: pass batch_size.")
     planned = steps is not None and steps != self.steps_taken
+    groups = None
+    if sampling == "cyclic_poisson" and self.is_correlated and not planned:
+      # The run's amplified ε only if its ledger verified the sampler.
+      groups = cyclic.verified_groups(self, num_examples, batch_size)
     once_per_epoch = sampling in ("shuffle", "cyclic") and not planned
     structure = (self._run_structure(extra_epoch_batches, num_examples)
                  if once_per_epoch else None)
@@ -1020,7 +1051,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
           self._planned_noise_multiplier(num_examples) if planned
           else self.accounted_noise_multiplier(num_examples),
           steps, sampling, batch_size, num_examples,
-          self.logical_steps_per_epoch(num_examples))
+          self.logical_steps_per_epoch(num_examples),
+          **({"groups": groups} if groups else {}))
     if self.query is not None:  # no accumulation: one use per epoch
       return events.composed(self.query_step_event(),
                              structure.participations)
