@@ -134,3 +134,20 @@ def test_keras_hub_backbone_trains_privately():
   history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
   assert np.isfinite(history.history["loss"][0])
   assert dp.clipping_plan(model).fallback is None
+
+
+def test_lora_on_a_reversible_embedding_takes_the_exact_per_layer_fallback():
+  model = _reversible(tied=True)
+  embedding = [l for l in model.layers
+               if isinstance(l, keras.layers.ReversibleEmbedding)][0]
+  embedding.enable_lora(2)
+  embedding.lora_embeddings_b.assign(np.full(
+      embedding.lora_embeddings_b.shape, 0.3, "float32"))
+  rng = np.random.default_rng(6)
+  x = rng.integers(0, 12, (4, SEQ)).astype("int32")
+  y = rng.integers(0, 12, 4).astype("int32")
+  spec = clipping.ClipSpec(0.05)
+  assert_same(ghost_sum(model, x, y, None, spec, None),
+              reference(model, x, y, None, spec, None), rtol=1e-4)
+  plan = dp.clipping_plan(model)
+  assert [e.kind for e in plan.per_layer_fallbacks] == ["ReversibleEmbedding"]

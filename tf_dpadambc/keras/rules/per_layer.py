@@ -42,6 +42,6 @@ class PerLayer(base.Materialized):
 
   def plan(self):
     if getattr(self.layer, "lora_enabled", False):
-      return (f"LoRA r={self.layer.lora_rank}: per-layer vectorized per-unit "
-              "gradients (layer re-run per unit)")
+      return ("per-layer vectorized per-unit gradients (LoRA "
+              f"r={self.layer.lora_rank}, no ghost rule for this layer)")
     return "per-layer vectorized per-unit gradients (no ghost rule)"
