@@ -31,7 +31,15 @@ used instead of ``k.Sequential`` (e.g. TF-Privacy's DPSequential).
 - ``lstm_text``: vocabulary 10k, embedding 32, length 64, LSTM 64, Dense(2)
   (issue 15: recurrent models train privately; per-unit evaluation loops,
   so run it at a small batch, e.g. ``--batch-sizes 64``).
+- ``gemma_lora``, ``bert_lora``: KerasHub backbones built from config (no
+  weights downloaded; Keras 3 only; listed when keras-hub is installed):
+  vocabulary 1000, sequence 64, hidden 64, 2 layers (Gemma: 4 query heads,
+  1 key/value head of 16, FFN 128; BERT: 4 heads, FFN 128), ``enable_lora(4)``
+  (query and value adapters), mean pooling, Dense(2). ``gemma_full``: the
+  same Gemma-like classifier, every weight trained (full fine-tuning; the
+  tied ReversibleEmbedding is used as the input embedding).
 """
+import importlib.util
 
 VOCAB = 10_000
 TEXT_LEN = 256        # embedding-bag sequence length
@@ -130,6 +138,48 @@ def lstm_text(k, sequential=None):
       k.layers.Dense(2)])
 
 
+HUB_VOCAB, HUB_LEN, HUB_D = 1000, 64, 64
+
+
+def _hub_classifier(k, kind, lora):
+  if getattr(k, "__name__", "") != "keras":
+    raise ValueError("KerasHub backbones need Keras 3")
+  import keras_hub  # pylint: disable=import-outside-toplevel
+  if kind == "gemma":
+    core = keras_hub.models.GemmaBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_query_heads=4,
+        num_key_value_heads=1, hidden_dim=HUB_D, intermediate_dim=2 * HUB_D,
+        head_dim=HUB_D // 4, dropout=0.0)
+  else:
+    core = keras_hub.models.BertBackbone(
+        vocabulary_size=HUB_VOCAB, num_layers=2, num_heads=4,
+        hidden_dim=HUB_D, intermediate_dim=2 * HUB_D,
+        max_sequence_length=HUB_LEN, dropout=0.0)
+  if lora:
+    core.enable_lora(4)
+  ids = k.Input((HUB_LEN,), dtype="int32")
+  inputs = {"token_ids": ids, "padding_mask": k.ops.ones_like(ids)}
+  if kind == "bert":
+    inputs["segment_ids"] = k.ops.zeros_like(ids)
+    h = core(inputs)["sequence_output"]
+  else:
+    h = core(inputs)
+  h = k.layers.GlobalAveragePooling1D()(h)
+  return k.Model(ids, k.layers.Dense(2)(h))
+
+
+def gemma_lora(k):
+  return _hub_classifier(k, "gemma", lora=True)
+
+
+def bert_lora(k):
+  return _hub_classifier(k, "bert", lora=True)
+
+
+def gemma_full(k):
+  return _hub_classifier(k, "gemma", lora=False)
+
+
 # name -> (builder, input shape, "float" or "int" inputs, number of classes,
 #          vocabulary for int inputs)
 MODELS = {
@@ -140,6 +190,14 @@ MODELS = {
     "transformer": (transformer, (SEQ_LEN,), "int", 2),
     "lstm_text": (lstm_text, (LSTM_LEN,), "int", 2),
 }
+if importlib.util.find_spec("keras_hub") is not None:
+  MODELS.update({
+      "gemma_lora": (gemma_lora, (HUB_LEN,), "int", 2),
+      "bert_lora": (bert_lora, (HUB_LEN,), "int", 2),
+      "gemma_full": (gemma_full, (HUB_LEN,), "int", 2),
+  })
+VOCABS = {"gemma_lora": HUB_VOCAB, "bert_lora": HUB_VOCAB,
+          "gemma_full": HUB_VOCAB}
 
 
 def synthetic_data(name, n, seed=0):
@@ -148,7 +206,8 @@ def synthetic_data(name, n, seed=0):
   _, shape, kind, classes = MODELS[name]
   rng = np.random.default_rng(seed)
   if kind == "int":
-    x = rng.integers(0, VOCAB, size=(n,) + shape).astype("int32")
+    x = rng.integers(0, VOCABS.get(name, VOCAB),
+                     size=(n,) + shape).astype("int32")
   else:
     x = rng.normal(size=(n,) + shape).astype("float32")
   y = rng.integers(0, classes, size=n).astype("int32")

@@ -3,7 +3,8 @@
 For each structure (folding the batch into positions, concatenating two
 inputs along axis 0, permuting, shifting, reversing, centring, sorting,
 gathering, attending or convolving across the batch, custom layers that
-reduce over it), with and without Dropout, and under the private step's
+reduce over it, LoRA layers, a tied input/output ReversibleEmbedding, a
+deliberately wrong user-registered ghost rule), with and without Dropout, and under the private step's
 options (Poisson padding, microbatches, per-layer clipping, the vectorized
 path), we *measure* the released clipped sum (σ = 0) on a batch, on the batch
 without one example, and on the batch with that example replaced by a huge
@@ -221,7 +222,7 @@ def _logits(body):  # a body that ends in logits itself
   return keras.Model(inputs, body(inputs))
 
 
-def lora_fold(x):  # a LoRA-enabled Dense on folded rows (per-layer rule)
+def lora_fold(x):  # a LoRA-enabled Dense on folded rows (LoRA ghost rule)
   flat = lam(lambda t: ops.reshape(t, (-1, P)))(x)
   dense = keras.layers.Dense(5, activation="tanh")
   h = dense(flat)
@@ -229,6 +230,44 @@ def lora_fold(x):  # a LoRA-enabled Dense on folded rows (per-layer rule)
   dense.lora_kernel_b.assign(np.full(dense.lora_kernel_b.shape, 0.5,
                                      "float32"))
   return lam(lambda t: ops.reshape(t, (-1, T, 5)))(h)
+
+
+def lora_einsum_fold(x):  # LoRA EinsumDense on the batch folded into one row
+  seq = lam(lambda t: ops.reshape(t, (1, -1, P)))(x)
+  einsum = keras.layers.EinsumDense("abc,cd->abd", (None, 5), bias_axes="d")
+  h = einsum(seq)
+  einsum.enable_lora(2)
+  einsum.lora_kernel_b.assign(np.full(einsum.lora_kernel_b.shape, 0.5,
+                                      "float32"))
+  return lam(lambda t: ops.reshape(t, (-1, T, 5)))(h)
+
+
+class UserScale(keras.layers.Layer):
+  """y = x ⊙ w, with a user-registered rule (below)."""
+
+  def build(self, shape):
+    self.w = self.add_weight(shape=shape[-1:], initializer="ones")
+
+  def call(self, t):
+    return t * self.w
+
+
+class WrongScaleRule(dp.GhostRule):
+  """A deliberately wrong user rule: a 'gradient' of 50·x + 3 that ignores
+  δ. The bound must hold anyway (norm and sum from the same values)."""
+
+  def unit_terms(self, calls, context):
+    return [[dp.gradient_term(tf.reduce_sum(tf.reshape(
+        50.0 * c.inputs + 3.0, [-1, c.inputs.shape[-1]]), 0)) for c in calls]]
+
+
+dp.register_ghost_rule(UserScale, WrongScaleRule)
+
+
+def user_rule_fold(x):  # the wrong user rule on rows folded across examples
+  flat = lam(lambda t: ops.reshape(t, (-1, P)))(x)
+  h = UserScale()(lam(lambda t: t + ops.mean(t, axis=0))(flat))
+  return lam(lambda t: ops.reshape(t, (-1, T, P)))(h)
 
 
 def _ids_model(body):
@@ -241,6 +280,13 @@ def embedding_fold(ids):  # ids folded into one row before the lookup
   return lam(lambda t: ops.reshape(t, (-1, T, 4)))(h)
 
 
+def reversible_fold(ids):  # tied input/output embedding on the folded batch
+  embedding = keras.layers.ReversibleEmbedding(20, 4, tie_weights=True)
+  h = embedding(lam(lambda t: ops.reshape(t, (1, -1)))(ids))
+  h = keras.layers.Dense(4, activation="tanh")(h)
+  return lam(lambda t: ops.reshape(t, (-1, T, 20)))(embedding(h, reverse=True))
+
+
 def siamese_embedding(ids):
   h = keras.layers.Embedding(20, 4)(lam(
       lambda t: ops.concatenate([t[:, :2], t[:, 1:]], axis=0))(ids))
@@ -251,9 +297,9 @@ SEQUENCE = [fold_rows, fold_into_one_row, siamese_concat, reverse_batch,
             roll_batch, lag_feature, training_only_lag, centre_batch,
             batch_max_scale, sort_batch, cumsum_batch, attention_over_batch,
             mha_over_batch, custom_batch_sum, carried_mean, raw_variable_sum,
-            conv_across_batch, lora_fold,
+            conv_across_batch, lora_fold, lora_einsum_fold, user_rule_fold,
             regularized_fold, tied_fold, rnn_then_lag, layernorm_then_fold]
-IDS = [embedding_fold, siamese_embedding]
+IDS = [embedding_fold, siamese_embedding, reversible_fold]
 LOGITS = [fold_everything, siamese_everything]
 STRUCTURES = {f.__name__: f for f in SEQUENCE + IDS + LOGITS}
 # Refused before anything is released (the forward pass writes state).

@@ -33,3 +33,13 @@ def test_correlated_noise_example_runs_at_equal_epsilon(capsys):
   assert len(lines) == 2
   assert all("ε = 4.00" in line for line in lines)
   assert "correlated noise (DP-MF)" in out
+
+
+def test_keras_hub_lora_example_runs_tiny(capsys):
+  pytest.importorskip("keras_hub")
+  namespace = runpy.run_path(str(ROOT / "examples" / "keras_hub_lora.py"))
+  results = namespace["main"](["--tiny"])
+  out = capsys.readouterr().out
+  assert set(results) == {"DPAdamBC", "DPAdam", "DPSGD"}
+  assert "Differential privacy statement" in out
+  assert "ghost norms" in out and "LoRA r=4" in out

@@ -333,7 +333,8 @@ def _record_plan(model, plan):
   elif plan.per_layer_fallbacks:
     logging.getLogger(__name__).warning(
         "Model '%s': no ghost-norm rule for %s; those layers use vectorized "
-        "per-unit gradients of their own weights.", model.name,
+        "per-unit gradients of their own weights (tf_dpadambc."
+        "register_ghost_rule adds a rule).", model.name,
         ", ".join(f"'{e.layer}' ({e.kind})" for e in plan.per_layer_fallbacks))
 
 
