@@ -29,8 +29,8 @@ used instead of ``k.Sequential`` (e.g. TF-Privacy's DPSequential).
   dropout. The position embedding is a (128, d) weight added by a small
   custom layer (``PositionEmbedding``).
 - ``lstm_text``: vocabulary 10k, embedding 32, length 64, LSTM 64, Dense(2)
-  (issue 15: recurrent models train privately; per-unit evaluation loops,
-  so run it at a small batch, e.g. ``--batch-sizes 64``).
+  (issue 15: recurrent models train privately, the LSTM through its
+  unrolled-cell ghost rule; run it at a small batch, e.g. ``--batch-sizes 64``).
 - ``gemma_lora``, ``bert_lora``: KerasHub backbones built from config (no
   weights downloaded; Keras 3 only; listed when keras-hub is installed):
   vocabulary 1000, sequence 64, hidden 64, 2 layers (Gemma: 4 query heads,

@@ -4,11 +4,12 @@ For each structure (folding the batch into positions, concatenating two
 inputs along axis 0, permuting, shifting, reversing, centring, sorting,
 gathering, attending or convolving across the batch, custom layers that
 reduce over it, LoRA layers, a tied input/output ReversibleEmbedding, a
-deliberately wrong user-registered ghost rule), with and without Dropout, and under the private step's
-options (Poisson padding, microbatches, per-layer clipping, the vectorized
-path), we *measure* the released clipped sum (σ = 0) on a batch, on the batch
-without one example, and on the batch with that example replaced by a huge
-one:
+deliberately wrong user-registered ghost rule, an LSTM (its unrolled-cell
+ghost rule) over the batch folded into time), with and without Dropout,
+and under the private step's options (Poisson padding, microbatches,
+per-layer clipping, the vectorized path), we *measure* the released clipped
+sum (σ = 0) on a batch, on the batch without one example, and on the batch
+with that example replaced by a huge one:
 
     ‖S(X) − S(X without i)‖ ≤ Δ₁,   ‖S(X) − S(X with i replaced)‖ ≤ 2C,
 
@@ -194,9 +195,15 @@ def tied_fold(x):  # a weight read outside its layer: vectorized fallback
   return lam(lambda t: ops.reshape(t, (-1, T, P)))(h)
 
 
-def rnn_then_lag(x):  # an RNN (whole-model fallback) and a lag
+def rnn_then_lag(x):  # an RNN (the recurrent ghost rule) and a lag
   h = keras.layers.SimpleRNN(5, return_sequences=True)(x)
   return lam(lambda t: t + ops.pad(t, [[1, 0], [0, 0], [0, 0]])[:-1])(h)
+
+
+def lstm_fold(x):  # an LSTM over the whole batch folded into its time axis
+  h = keras.layers.LSTM(5, return_sequences=True)(lam(
+      lambda t: ops.reshape(t, (1, -1, P)))(x))
+  return lam(lambda t: ops.reshape(t, (-1, T, 5)))(h)
 
 
 def layernorm_then_fold(x):
@@ -301,7 +308,8 @@ SEQUENCE = [fold_rows, fold_into_one_row, siamese_concat, reverse_batch,
             regularized_fold, tied_fold, rnn_then_lag, layernorm_then_fold]
 IDS = [embedding_fold, siamese_embedding, reversible_fold]
 LOGITS = [fold_everything, siamese_everything]
-STRUCTURES = {f.__name__: f for f in SEQUENCE + IDS + LOGITS}
+RECURRENT = [lstm_fold]  # last, so that the others keep their options
+STRUCTURES = {f.__name__: f for f in SEQUENCE + IDS + LOGITS + RECURRENT}
 # Refused before anything is released (the forward pass writes state).
 REFUSED = {"carried_mean", "raw_variable_sum"}
 # The private step's options, one per structure in turn (so that every option

@@ -468,21 +468,34 @@ def test_lora_layers_clip_their_factors_exactly(num_microbatches):
   assert not plan.per_layer_fallbacks, plan
 
 
-@pytest.mark.parametrize("rnn", ["LSTM", "GRU", "SimpleRNN"])
-def test_recurrent_models_clip_exactly_in_a_per_unit_loop(rnn):
+@pytest.mark.parametrize("rnn", ["LSTM", "GRU", "SimpleRNN",
+                                 "LSTM go_backwards"])
+def test_recurrent_models_clip_exactly(rnn):
+  # LSTM, GRU, SimpleRNN: the recurrent ghost rule (the cell unrolled).
   # tf.vectorized_map fails at run time on a recurrent layer's TensorList:
-  # such models are evaluated unit by unit (tf.map_fn), exact and slower.
+  # a layer without a rule (go_backwards) makes the model evaluate unit by
+  # unit (tf.map_fn), exact and slower.
+  name, _, backwards = rnn.partition(" ")
   model = keras.Sequential([keras.Input((6,), dtype="int32"),
                             keras.layers.Embedding(20, 8),
-                            getattr(keras.layers, rnn)(5),
+                            getattr(keras.layers, name)(
+                                5, go_backwards=bool(backwards)),
                             keras.layers.Dense(3)])
   x, y = _data(model, np.random.default_rng(23))
   x = np.minimum(x, 19)
   spec = clipping.ClipSpec(0.3)
-  with pytest.warns(UserWarning, match="tf.map_fn loop"):
+  if backwards:
+    with pytest.warns(UserWarning, match="tf.map_fn loop"):
+      result = ghost_sum(model, x, y, None, spec, None, method="auto")
+  else:
     result = ghost_sum(model, x, y, None, spec, None, method="auto")
   assert_same(result, reference(model, x, y, None, spec, None), rtol=1e-4)
-  assert "recurrent" in dp.clipping_plan(model).fallback
+  plan = dp.clipping_plan(model)
+  if backwards:
+    assert "recurrent" in plan.fallback
+  else:
+    assert plan.fallback is None
+    assert "unrolled cell" in plan.entries[1].method
   model = dp.make_private(model)
   model.compile(optimizer=dp.DPAdamBC(1.0, 1.0), loss=LOSS, jit_compile=True)
   history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
@@ -490,9 +503,10 @@ def test_recurrent_models_clip_exactly_in_a_per_unit_loop(rnn):
 
 
 def test_a_recurrent_model_running_python_in_its_loop_is_refused():
-  # Units evaluated one after another could pass data through Python state.
+  # Units evaluated one after another (a recurrent layer without a ghost
+  # rule: go_backwards) could pass data through Python state.
   model = keras.Sequential([
-      keras.Input((6, 3)), keras.layers.SimpleRNN(4),
+      keras.Input((6, 3)), keras.layers.SimpleRNN(4, go_backwards=True),
       keras.layers.Lambda(lambda t: t + tf.ensure_shape(tf.py_function(
           lambda: 0.0, [], tf.float32), [])),
       keras.layers.Dense(3)])

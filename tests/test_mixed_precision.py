@@ -66,7 +66,7 @@ def _per_layer():  # PReLU has no ghost rule: per-layer per-unit gradients
                            keras.layers.PReLU(), keras.layers.Dense(3)])
 
 
-def _lstm():  # the recurrent loop (tf.map_fn over units)
+def _lstm():  # the recurrent ghost rule (the LSTM cell unrolled)
   return keras.Sequential([keras.Input((5,), dtype="int32"),
                            keras.layers.Embedding(12, 4),
                            keras.layers.LSTM(4), keras.layers.Dense(3)])

@@ -15,6 +15,9 @@ Conv1D, Conv2D (channels last)     the same on the input patches
 Embedding (+ LoRA)                 per-unit row sums of δ (sorted ids)
 ReversibleEmbedding (tied)         row sums + logits' ghost norm + cross term
 PositionEmbedding (KerasHub)       δ summed per position, materialized
+LSTM, GRU, SimpleRNN (no dropout,  the cell unrolled over the static T steps
+mask; see rules.recurrent)         (the rule's ``forward``), each step's
+                                   x_tW + h_{t-1}U + b Dense-like over T
 LayerNormalization, Group-,        per-unit Σ_t δ_t⊙J_t, J recomputed by the
 RMSNormalization (Keras, Gemma)    layer's own call with neutral weights
 a rule registered by the user      ``register_ghost_rule`` (rules.registry)
@@ -47,6 +50,13 @@ it), so the whole model then uses the vectorized path, and so do models whose
 layers cannot be recorded (several tensor inputs of one layer with weights,
 randomness in such a layer, quantized layers).
 What each layer used is kept in a :class:`ClippingPlan`.
+
+A rule may run the layer's forward computation itself (``Rule.forward``):
+the recurrent rule replaces the layer's while loop (whose TensorList
+``vectorized_map`` cannot vectorize) by the unrolled cell, and records the
+states it computes. Recurrent layers without a rule
+(:func:`unsupported_recurrent_layers`) make the whole model use the per-unit
+``tf.map_fn`` loop instead (``training``).
 """
 import collections
 
@@ -121,6 +131,27 @@ def _rule_for(layer, original_call, values):
       v for v in _compat.own_trainable_variables(layer) if id(v) in values])
 
 
+def _covering_rule(layer, original_call, values):
+  """The rule of a layer without weights of its own that covers its
+  sublayers' (``Rule.covers_sublayers``: LSTM, GRU, SimpleRNN), or None."""
+  if registry.lookup(layer) is None or (
+      layer.dtype_policy.quantization_mode is not None):
+    return None
+  rule = registry.make_rule(layer, original_call, values)
+  if rule is None or not getattr(rule, "covers_sublayers", False):
+    return None
+  return rule
+
+
+def unsupported_recurrent_layers(model):
+  """The model's recurrent layers (``keras.layers.RNN``) that no ghost rule
+  covers: they need the per-unit loop (``per_example.sequential_units``)."""
+  values = {id(v): v for v in model.trainable_variables}
+  return [layer for layer in _compat.flatten_layers(model)
+          if isinstance(layer, keras.layers.RNN)
+          and _covering_rule(layer, layer.call, values) is None]
+
+
 class _TrackingScope(keras.StatelessScope):
   """A StatelessScope that checks who reads each trainable variable."""
 
@@ -147,17 +178,26 @@ class _Recorder:
     self.owner = {}
     self.rules = []
     self._originals = []
+    covered = set()  # sublayers whose weights a parent's rule covers
     for layer in _compat.flatten_layers(model):
+      if id(layer) in covered:
+        continue
+      original = layer.call
       own = [v for v in _compat.own_trainable_variables(layer)
              if id(v) in self.values]
-      if not own:
-        continue
+      rule = None
+      if not own:  # a rule for the weights of its sublayers (an RNN's cell)
+        rule = _covering_rule(layer, original, self.values)
+        if rule is None:
+          continue
+        own = list(rule.variables)
+        covered.update(id(sub) for sub in _compat.flatten_layers(layer)[1:])
       for v in own:
         if id(v) in self.owner:
           raise Unsupported(f"variable '{v.path}' belongs to two layers")
         self.owner[id(v)] = layer
-      original = layer.call
-      rule = _rule_for(layer, original, self.values)
+      if rule is None:
+        rule = _rule_for(layer, original, self.values)
       self.rules.append(rule)
       self._originals.append((layer, original, layer.__dict__.get("call")))
     missing = [v.path for v in trainable if id(v) not in self.owner]
@@ -182,15 +222,20 @@ class _Recorder:
         return original(*args, **kwargs)
       self.stack.append(rule.layer)
       try:
-        z, output = rule.forward(original, args[0], kwargs)
+        result = rule.forward(original, args[0], kwargs)
+      except base.Declined as e:
+        self.problem = self.problem or str(e)
+        return original(*args, **kwargs)
       finally:
         self.stack.pop()
+      z, output = result[:2]
+      record = result[2] if len(result) > 2 else args[0]
       if not tf.is_tensor(z):
         self.problem = self.problem or (
             f"layer '{rule.layer.name}' returned several tensors")
         return output
       self.tape.watch(z)
-      rule.calls.append(_Call(args[0], kwargs, z))
+      rule.calls.append(_Call(record, kwargs, z))
       return output
     return call
 
@@ -257,8 +302,9 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
       evaluate_unit, units, fallback_to_while_loop=False)
   # Mixed precision: float16/bfloat16 records are book-kept in float32 (the
   # norms in float64, core.ghost), δ unscaled exactly before any norm.
-  inputs = [tf.cast(a, tf.float32) if a.dtype in (tf.float16, tf.bfloat16)
-            else a for a in inputs]
+  inputs = tf.nest.map_structure(
+      lambda a: tf.cast(a, tf.float32) if a.dtype in (
+          tf.float16, tf.bfloat16) else a, inputs)
   flat_deltas = [per_example.unscale(d) for d in flat_deltas]
   # Swap each rule's per-unit records for the stacked ones (same order).
   deltas, start = [], 0

@@ -207,8 +207,12 @@ def _private_gradient_sum(model, x, y, sample_weight, clip, num_microbatches,
     reason = "the model has several outputs or losses"
   elif extra_losses:
     reason = "the model adds losses (regularizers or add_loss)"
-  elif _compat.has_recurrent_layers(model):
-    reason = "recurrent layers are evaluated per unit in a loop"
+  elif _compat.has_recurrent_layers(model) and (
+      ghost.unsupported_recurrent_layers(model)):
+    # LSTM, GRU, SimpleRNN with a ghost rule vectorize (rules.recurrent).
+    names = [l.name for l in ghost.unsupported_recurrent_layers(model)]
+    reason = (f"recurrent layers {names} (no ghost rule for their "
+              "configuration) are evaluated per unit in a loop")
   elif method != "vectorized":
     try:
       result, unit_losses, y_pred, plan = ghost.clipped_sum(

@@ -2,12 +2,13 @@
 
 ``register_ghost_rule(LayerClass, rule)`` adds a rule (see
 :mod:`~tf_dpadambc.keras.rules.registry` for the contract); the built-in
-rules register the same way, in ``linear``, ``embedding`` and
-``normalization``.
+rules register the same way, in ``linear``, ``embedding``,
+``normalization`` and ``recurrent``.
 """
 from tf_dpadambc.keras.rules import embedding  # noqa: F401  (registers)
 from tf_dpadambc.keras.rules import linear  # noqa: F401  (registers)
 from tf_dpadambc.keras.rules import normalization  # noqa: F401  (registers)
+from tf_dpadambc.keras.rules import recurrent  # noqa: F401  (registers)
 from tf_dpadambc.keras.rules.base import GhostRule
 from tf_dpadambc.keras.rules.base import RuleContext
 from tf_dpadambc.keras.rules.base import UnitCall

@@ -105,21 +105,39 @@ def forward_without_activation(rule, original, x, kwargs):
   return z, activation(z)
 
 
+class Declined(Exception):
+  """Raised by :meth:`Rule.forward` for a call the rule cannot compute (e.g.
+  a recurrent layer given a mask): the model then leaves the ghost path."""
+
+
 class Rule:
   """The library's rules, on stacked tensors (see the module docstring).
 
   ``variables``: the layer's trainable variables in the order the rule
   returns norms and gradients. ``calls``: the layer's recorded calls, stacked
   over units (:class:`Call`); ``deltas``: one δ per call, stacked alike.
+  ``covers_sublayers``: True for a rule whose variables belong to the
+  layer's sublayers (a recurrent layer's cell): the recorder then wraps this
+  layer's call and not the sublayers'.
   """
   pre_activation = True  # z is the output before the layer's activation
+  covers_sublayers = False
 
   def __init__(self, layer):
     self.layer = layer
     self.calls = []
 
   def forward(self, original, x, kwargs):
-    """Runs the layer's call: (z to record, the call's output)."""
+    """Runs the layer's forward computation for one unit, in its place.
+
+    Returns ``(z, output)``: z, the tensor whose gradient δ the rule needs
+    (recorded, with the input x), and what the call returns; or
+    ``(z, output, record)`` to record ``record`` (a tuple of tensors, e.g.
+    states computed inside the forward) as the call's ``inputs`` instead of
+    x. z must lie upstream of the output (δ = ∂ℓ_u/∂z). The computation may
+    differ from ``original`` (a recurrent layer's unrolled cell), never its
+    result. Raise :class:`Declined` for a call the rule cannot compute.
+    """
     return forward_without_activation(self, original, x, kwargs)
 
   def plan(self):

@@ -36,7 +36,10 @@ own data, whatever g_u is. A wrong rule gives a wrong gradient (utility), as
 :func:`tests.test_registry` shows with a deliberately wrong one. (The
 library's built-in rules use batched numerics on stacked tensors —
 ``rules.base.Rule`` with ``sq_norms``/``grads``/``square_sums`` — and are
-checked against per-example gradients; users register ``GhostRule``s.)
+checked against per-example gradients; users register ``GhostRule``s. A
+built-in rule may also replace the layer's forward computation for the unit
+— ``Rule.forward`` returning ``(z, output, record)``, see ``rules.recurrent``
+— and cover its sublayers' weights, ``covers_sublayers``.)
 
 Lookup is by exact type by default: a subclass can change ``call``, so it
 does not inherit its parent's rule unless registered itself (or the rule was
@@ -129,6 +132,9 @@ def make_rule(layer, original_call, values):
   own = {id(v) for v in layer._trainable_variables if v.trainable}  # pylint: disable=protected-access
   if builtin:
     rule = factory(layer, original_call, values)
+    if rule is not None and rule.covers_sublayers:
+      own = {id(v) for sub in layer._flatten_layers(include_self=True)  # pylint: disable=protected-access
+             for v in sub._trainable_variables if v.trainable}  # pylint: disable=protected-access
     if rule is not None and (
         {id(v) for v in rule.variables} != own
         or not all(id(v) in values for v in rule.variables)):
