@@ -106,4 +106,7 @@ def test_rdp_convergence_warnings_are_dropped_and_numbers_unchanged(caplog):
   with caplog.at_level(logging.WARNING):
     direct = _direct(0.3, 1.0, 40, 1e-5, "rdp")
   assert eps == direct
-  assert [r for r in caplog.records if "failed to converge" in r.getMessage()]
+  # The control: dp_accounting itself warns here (0.5 and later; 0.4.3, the
+  # TF-Privacy configuration, does not, and has nothing to filter).
+  if not [r for r in caplog.records if "failed to converge" in r.getMessage()]:
+    pytest.skip("this dp-accounting version does not warn for this case")
