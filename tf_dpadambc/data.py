@@ -241,17 +241,7 @@ def poisson_batches(x, y=None, *, expected_batch_size, sample_weight=None,
 
   def batches():
     for _ in range(steps_per_epoch):
-      # A Poisson sample: |S| ~ Binomial(N, q), then a uniform subset of that
-      # size — the same distribution as N independent coin flips, in O(|S|).
-      size = int(rng.binomial(n, q))
-      if size > m:
-        raise overflow(size)
-      index = np.zeros(m, np.int64)  # padded rows: example 0, weight 0
-      index[:size] = np.sort(rng.choice(n, size, replace=False))
-      w = np.zeros(m, weights.dtype)
-      w[:size] = weights[index[:size]]
-      xb, yb = tf.nest.map_structure(lambda a: a[index], data)
-      yield xb, yb, w
+      yield _padded_sample(rng, n, q, m, data, weights, overflow)
 
   return _padded_dataset(batches, data, weights, m, steps_per_epoch)
 
@@ -295,6 +285,27 @@ def _prepare(x, y, sample_weight):
     weights = weights.astype(np.float32)
   data = (arrays[0], arrays[1])
   return data, weights, n
+
+
+def _padded_sample(rng, population, probability, rows, data, weights,
+                   overflow):
+  """One Poisson sample of ``population`` (a count N, or the example indices
+  to draw from), padded to ``rows``: each member independently with
+  ``probability``, drawn as a Binomial size then a uniform subset of that
+  size (the same distribution, in O(|S|)). Padded rows are example 0 with
+  weight 0. Raises ``overflow(size)`` rather than truncate the sample.
+  Returns (x, y, weights) of the batch."""
+  count = (int(population) if isinstance(population, numbers.Integral)
+           else len(population))
+  size = int(rng.binomial(count, probability))
+  if size > rows:
+    raise overflow(size)
+  index = np.zeros(rows, np.int64)
+  index[:size] = np.sort(rng.choice(population, size, replace=False))
+  w = np.zeros(rows, weights.dtype)
+  w[:size] = weights[index[:size]]
+  xb, yb = tf.nest.map_structure(lambda a: a[index], data)
+  return xb, yb, w
 
 
 def _padded_dataset(batches, data, weights, m, steps_per_epoch):
@@ -422,24 +433,17 @@ def cyclic_poisson_batches(x, y=None, *, expected_batch_size, groups,
     raise ValueError(f"seed must be None or an integer; got {seed!r}.")
   rng = np.random.default_rng(seed)
 
+  def overflow(size):
+    return ValueError(
+        f"A cyclic Poisson batch drew {size} examples, more than "
+        f"max_batch_size = {m}. Batches are never truncated (that would "
+        "change the sampling the ε assumes): build the dataset again "
+        "with a larger max_batch_size and a new (secret) seed.")
+
   def batches():
     for i in range(steps_per_epoch):
       members = partition[i % b]
-      # Each member independently with probability p: a Binomial(|group|, p)
-      # size, then a uniform subset of that size.
-      size = int(rng.binomial(len(members), p))
-      if size > m:
-        raise ValueError(
-            f"A cyclic Poisson batch drew {size} examples, more than "
-            f"max_batch_size = {m}. Batches are never truncated (that would "
-            "change the sampling the ε assumes): build the dataset again "
-            "with a larger max_batch_size and a new (secret) seed.")
-      index = np.zeros(m, np.int64)  # padded rows: example 0, weight 0
-      index[:size] = np.sort(rng.choice(members, size, replace=False))
-      w = np.zeros(m, weights.dtype)
-      w[:size] = weights[index[:size]]
-      xb, yb = tf.nest.map_structure(lambda a: a[index], data)
-      yield xb, yb, w
+      yield _padded_sample(rng, members, p, m, data, weights, overflow)
 
   dataset = _padded_dataset(batches, data, weights, m, steps_per_epoch)
   dataset.cyclic_poisson = CyclicPoissonSampling(

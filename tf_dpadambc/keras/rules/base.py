@@ -234,6 +234,11 @@ class GhostRule:
   Override :meth:`unit_terms` (and :meth:`plan`). ``variables`` defaults to
   the layer's own trainable weights; ``pre_activation = True`` records the
   output before ``layer.activation`` (δ is then the gradient there).
+
+  The ≤ C bound holds whatever a rule computes from its arguments; it does
+  not cover a rule that reaches around them (writes a variable, runs Python
+  through ``tf.py_function``, reads tensors kept from elsewhere), which can
+  carry one unit's data into another's terms.
   """
   pre_activation = False
 
