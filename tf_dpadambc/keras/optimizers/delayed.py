@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_dpadambc.core import moments
 from tf_dpadambc.core import updates
 from tf_dpadambc.keras.optimizers import base
+from tf_dpadambc.keras.optimizers import traits
 
 
 class _DelayedPreconditioner(base.DPOptimizer):
@@ -36,6 +37,7 @@ class _DelayedPreconditioner(base.DPOptimizer):
     learning_rate: η of both phases.
   """
 
+  TRAITS = traits.EstimatorTraits(releases_plain_sum=False)  # clips at s⊙g
   _decay = None
 
   def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.1,
