@@ -299,6 +299,15 @@ class CorrelatedNoise(NoiseMechanism):
   secret_stream = True
   replica_refusal = "correlated (DP-MF) noise"
 
+  def check_step_variables(self, indices, num_built):
+    if indices != list(range(num_built)):
+      raise ValueError(
+          "Correlated (DP-MF) noise streams every variable's noise from its "
+          "past draws, so every step must update all the variables the "
+          f"optimizer was built with, in order ({len(indices)} of "
+          f"{num_built} given). Freeze layers before the first step, or use "
+          "a new optimizer after freezing.")
+
   def poisson_refusal(self):
     if self.supports_cyclic_poisson:
       return None

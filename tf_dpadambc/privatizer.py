@@ -101,6 +101,11 @@ class Privatizer:
     del shape
     return None
 
+  def check_step_variables(self, indices, num_built):
+    """Refuses a step over the optimizer variables ``indices`` (of
+    ``num_built``) this privatizer cannot serve; any subset by default."""
+    del indices, num_built
+
   def variance_factor(self, step):
     """Var of the step-t noise per coordinate, divided by (σΔ)²."""
     del step

@@ -263,6 +263,17 @@ class QueryRelease(privatizer.Privatizer):
       return params
     return None
 
+  def sample_of_clipped_sum(self, state, result, templates, unit_mask=None):
+    """:meth:`sample_from_clipped` of a ``core.clipping.ClippedSum``: its
+    records are the units with a finite norm, verified, and in
+    ``unit_mask`` (real, not padding)."""
+    norms = tf.convert_to_tensor(result.norms)
+    mask = tf.math.is_finite(norms) & ~tf.convert_to_tensor(result.mismatch)
+    if unit_mask is not None:
+      mask &= unit_mask
+    return self.sample_from_clipped(state, result.grads, norms, templates,
+                                    mask)
+
   def sample_from_clipped(self, state, clipped_sum, norms, templates,
                           unit_mask, query=None):
     """The sample state Σ_u preprocess_record(params, g_u) from Σ_u clip(g_u)

@@ -16,8 +16,75 @@ multiplier σ; the accounted σ is lower where a release can move by more:
 * a release whose sensitivity exceeds what its noise pays for (JME under
   replace-one): σ·``accounting_noise_factor``.
 """
+import collections
+
+import keras
+import tensorflow as tf
+
 from tf_dpadambc.accounting import cyclic
 from tf_dpadambc.accounting import events
+from tf_dpadambc.accounting import ledger as ledger_lib
+from tf_dpadambc.core import diagnostics
+
+RunRecord = collections.namedtuple("RunRecord", [
+    "max_batch_examples", "max_batch_units", "max_physical_examples",
+    "examples_seen"])
+RunRecord.__doc__ = """What the accounting needs of a run (0 before build):
+the largest logical batch in examples and in clipped units, the largest
+physical batch, and the examples of all physical batches."""
+
+
+class RunRecorder:
+  """The saved record of what an optimizer's run released.
+
+  Saved optimizer variables (created with the optimizer's ``add_variable``,
+  in this order, which the Keras formats' indices rely on): the largest
+  logical batch in examples and in units, the last Φ, the largest physical
+  batch, the examples of all physical batches (more than passes × N means
+  the recorded epochs were not passes over the data), and the ledger of
+  epochs and their batches (``accounting.ledger``), then the last step's
+  diagnostics (``core.diagnostics``). Nothing here is secret: counts and Φ
+  are public (functions of B, σ, C), the diagnostics post-process releases.
+  """
+
+  def __init__(self, add_variable, ledger, diagnostic_names):
+    def scalar(name, dtype="int64"):
+      return add_variable((), initializer="zeros", dtype=dtype, name=name)
+    self.max_batch_examples = scalar("dp_max_batch_examples")
+    self.max_batch_units = scalar("dp_max_batch_units")
+    self.noise_variance = scalar("dp_noise_variance", "float32")
+    self.max_physical_examples = scalar("dp_max_physical_examples")
+    self.examples_seen = scalar("dp_examples_seen")
+    self.ledger = add_variable(
+        (ledger_lib.STATE_SIZE,), dtype="int64", name="dp_accounting_ledger",
+        initializer=keras.initializers.Constant(ledger.initial_values()))
+    self.diagnostics = {name: scalar(name, "float32")
+                        for name in diagnostic_names}
+
+  def note_batch(self, num_examples):
+    """One physical batch of ``num_examples`` fed."""
+    self.max_physical_examples.assign(
+        tf.maximum(self.max_physical_examples, num_examples))
+    self.examples_seen.assign_add(num_examples)
+
+  def note_release(self, num_units, num_examples, noise_variance):
+    """One logical step released over ``num_units`` units with Φ."""
+    self.noise_variance.assign(noise_variance)
+    self.max_batch_units.assign(tf.maximum(self.max_batch_units, num_units))
+    self.max_batch_examples.assign(
+        tf.maximum(self.max_batch_examples, num_examples))
+
+  def note_diagnostics(self, statistics):
+    """The step's ``core.diagnostics.MomentStatistics``, summarized."""
+    if statistics:
+      for name, value in diagnostics.summarize(statistics).items():
+        if name in self.diagnostics:
+          self.diagnostics[name].assign(value)
+
+  def values(self):
+    return RunRecord(*(int(v.numpy()) for v in (
+        self.max_batch_examples, self.max_batch_units,
+        self.max_physical_examples, self.examples_seen)))
 
 
 def units_hold_several_examples(optimizer):
@@ -35,7 +102,7 @@ def effective_noise_multiplier(optimizer):
   if optimizer.query is not None:
     raise ValueError("With a DPQuery the accounting follows the query's "
                      "DpEvent: use dp_event().")
-  sigma = optimizer.noise_multiplier * optimizer.accounting_noise_factor
+  sigma = optimizer.noise_multiplier * optimizer.traits.accounting_noise_factor
   return sigma / 2 if units_hold_several_examples(optimizer) else sigma
 
 
@@ -125,7 +192,29 @@ def logical_steps_per_epoch(optimizer, num_examples):
 
 def dp_event(optimizer, num_examples, batch_size=None, sampling="poisson",
              steps=None, extra_epoch_batches=0):
-  """The DpEvent of the optimizer's run (see ``DPOptimizer.dp_event``)."""
+  """The dp_accounting DpEvent of the training ``optimizer`` performed.
+
+  Args:
+    optimizer: a DP optimizer.
+    num_examples: size N of the training set.
+    batch_size: expected logical batch size; defaults to the largest seen
+      (``expected_batch_size`` for Poisson batches).
+    sampling: ``"poisson"`` (each example in each step independently with
+      probability B/N: what the ε from ``compute_epsilon`` assumes; it holds
+      for batches from ``data.poisson_batches`` with ``expected_batch_size``)
+      or ``"shuffle"`` (each example once per epoch, no amplification). With
+      correlated noise: ``"cyclic"`` (fixed batch order every epoch),
+      ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, expected batch
+      size B); see ``CorrelatedNoise.accounting_event``.
+    steps: ``None`` (default): the run as it happened — the steps taken and,
+      once per epoch, the epochs ``optimizer.accounting_ledger`` recorded
+      with their real numbers of batches (a logical step whose batches span
+      two epochs can hold an example twice: σ/2 for that step). Another
+      number of logical steps plans a run (as ``compute_epsilon``): epochs of
+      the fewest batches seen, ceil(N/b) before any.
+    extra_epoch_batches: also account one more epoch of this many physical
+      batches after the run (``PrivacyBudget``'s look-ahead).
+  """
   name = optimizer.__class__.__name__
   if optimizer.traits.not_private_reason:
     raise ValueError(f"{name} has no ε: {optimizer.traits.not_private_reason}")

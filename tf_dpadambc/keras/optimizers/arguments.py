@@ -15,6 +15,54 @@ from tf_dpadambc import queries
 from tf_dpadambc._checks import check_count
 from tf_dpadambc._checks import check_positive
 
+ARGS_DOC = """  Args:
+    l2_norm_clip: C > 0, the L2 bound on each unit's (example's or
+      microbatch's) gradient; or a list with one bound C_k per trainable
+      variable (per-layer clipping: the noise std is σ·‖(C_k)‖₂, and Φ uses
+      it too).
+    noise_multiplier: σ ≥ 0; the noise added to the clipped sum has std σC.
+      ``0`` is accepted for debugging but the training is then NOT private
+      (a warning is issued and the privacy report says so).
+    num_microbatches: ``None`` clips every example (the default and the
+      tightest accounting). An integer M splits each physical batch into M
+      microbatches whose mean gradients are clipped; it must divide the batch
+      size. Microbatches of more than one example double the sensitivity
+      under add/remove adjacency, which the accounting takes into account.
+    gradient_accumulation_steps: ``None`` or k ≥ 1: one logical private step
+      over k physical batches. Clipped sums accumulate, the noise is drawn
+      once, and the mean divides by the logical batch's number of units B;
+      Φ and the accounting use that logical batch.
+    seed: ``None`` (a secret seed from the OS) or an integer that makes the
+      noise reproducible. Anyone who knows the seed can remove the noise: use
+      it for debugging and tests, and keep it secret. No seed is ever saved,
+      not even a given one (``get_config`` says ``seed=None``): pass it again
+      to the optimizer that resumes a run.
+    clipping: ``"standard"`` (g·min(1, C/‖g‖)) or ``"automatic"``
+      (g·C/(‖g‖+γ), Bu et al., NeurIPS 2023: every unit is normalized, so C
+      only scales the step; its sensitivity is still C).
+    automatic_gamma: γ > 0 of automatic clipping.
+    noise: the noise mechanism (``tf_dpadambc.mechanisms``):
+      ``IndependentNoise()`` (the default, DP-SGD's) or
+      ``CorrelatedNoise(strategy, steps, ...)`` (DP-MF: noise correlated
+      across steps, σΔ·sens(C)·(C⁻¹z)_t; Φ follows its per-step variance).
+    query: instead of ``l2_norm_clip``/``noise_multiplier``/``noise``, a
+      TF-Privacy DPQuery (``tf_dpadambc.tf_privacy.GaussianSumQuery``,
+      ``QuantileAdaptiveClipSumQuery``, tree aggregation, ...) that clips and
+      noises each step (``tf_dpadambc.queries``): its global state advances
+      inside the compiled step, its DpEvent is what ``dp_event`` composes.
+      For the variants that release the plain clipped sum
+      (``TRAITS.releases_plain_sum``); needs per-unit gradients
+      (clipping="vectorized" speed) unless the query clips by L2 norm.
+    expected_batch_size: ``None`` (fixed-size batches) or B ≥ 1: every batch
+      is a Poisson sample of expected size B (``data.poisson_batches``). The
+      mean then divides by B, never by the realized batch size (which is not
+      private; as Opacus), Φ = (σC/B)², and ``dp_event`` accounts Poisson
+      sampling with q = B/N — only. Not with ``num_microbatches``, gradient
+      accumulation, correlated noise, a DPQuery or IME.
+    learning_rate, **kwargs: as for ``keras.optimizers.Optimizer``
+      (``weight_decay`` gives decoupled weight decay, at no privacy cost).
+"""
+
 
 def check_clip(value):
   """A clip norm C > 0, or a list of per-variable bounds C_k > 0."""
@@ -23,6 +71,14 @@ def check_clip(value):
       raise ValueError("l2_norm_clip: an empty list of per-layer clip norms.")
     return [check_positive(f"l2_norm_clip[{i}]", c) for i, c in enumerate(value)]
   return check_positive("l2_norm_clip", value)
+
+
+def check_clip_count(l2_norm_clip, variables):
+  """Per-layer clip norms: one per trainable variable."""
+  if isinstance(l2_norm_clip, list) and len(l2_norm_clip) != len(variables):
+    raise ValueError(
+        f"{len(l2_norm_clip)} per-layer clip norms for {len(variables)} "
+        "trainable variables: give one per variable.")
 
 
 def validated(cls, l2_norm_clip, noise_multiplier, num_microbatches,
@@ -92,6 +148,16 @@ def warn_if_not_private(optimizer):
         f"{name} with noise_multiplier=0 adds no noise: training is NOT "
         "differentially private (gradients are still clipped). Use it only "
         "for debugging.", UserWarning, stacklevel=3)
+
+
+def check_serializable(optimizer):
+  """A DPQuery is no Keras object: an optimizer holding one has no config."""
+  if optimizer.query is not None:
+    raise NotImplementedError(
+        f"{optimizer.name} holds a TF-Privacy DPQuery, which is not a Keras "
+        "object and cannot be serialized. Save the weights "
+        "(model.save_weights, or model.save(..., include_optimizer=False)) "
+        "and build the optimizer again with its query.")
 
 
 def check_query_state(optimizer, state):

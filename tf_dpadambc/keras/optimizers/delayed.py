@@ -113,7 +113,7 @@ class _DelayedPreconditioner(base.DPOptimizer):
     return config
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
+@base.register()
 class DP2RMSProp(_DelayedPreconditioner):
   """DP² with an RMSProp preconditioner: A ← ρA + (1-ρ)(G/s1)² (Li et al. 2023).
 
@@ -135,6 +135,6 @@ class DP2RMSProp(_DelayedPreconditioner):
     return config
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
+@base.register()
 class DP2Adagrad(_DelayedPreconditioner):
   """DP² with an AdaGrad preconditioner: A ← A + (G/s1)² (Li et al. 2023)."""

@@ -23,7 +23,7 @@ from tf_dpadambc.keras.optimizers import base
 from tf_dpadambc.keras.optimizers import traits
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
+@base.register()
 class DPAdamPublicPreconditioner(base.DPOptimizer):
   """Momentum step on gradients preconditioned by public information (AdaDPS).
 

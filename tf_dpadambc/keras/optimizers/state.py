@@ -54,6 +54,7 @@ class PrivateState:
     self.accumulated_sums, self.accumulated_squares = [], []
     self.noise_state = {}
     self.query_variables, self.query_structure = [], None
+    self.release_tap = []
 
   # --------------------------------------------------------------- build
   def variable(self, shape, name, dtype="int64", initializer="zeros",
@@ -133,6 +134,16 @@ class PrivateState:
         variables.append(add_variable(value.shape, dtype=value.dtype.name,
                                       name=name, initializer=init))
     self.query_variables = variables
+
+  def tap_releases(self, variables):
+    """Unsaved variables that keep each step's release (for auditing)."""
+    self.release_tap = [self.variable(v.shape, f"audit_release_{i}",
+                                      "float32")
+                        for i, v in enumerate(variables)]
+
+  def tap(self, release):
+    for tap, value in zip(self.release_tap, release):
+      tap.assign(tf.cast(value, tap.dtype))
 
   # -------------------------------------------------------- the DPQuery
   def query_state(self):
@@ -307,3 +318,35 @@ class PrivateState:
       self.seed_pair = core_noise.random_seed()
       self.seed_variable.assign(self.seed_pair)
       self.next_noise_step.assign(0)  # the new seed has drawn nothing
+
+
+# ---------------------------------------------------------------- saving
+def save_variables(variables, store):
+  """Writes the saved ``variables`` (Keras formats): nothing secret."""
+  for i, variable in enumerate(variables):
+    store[str(i)] = variable.numpy()
+
+
+def load_variables(optimizer, variables, store):
+  """Restores ``variables`` from ``store``, then restarts what was not saved
+  (the pending step, the seed; see :meth:`PrivateState.restart`)."""
+  # Before build an optimizer has the step counter and, unless it is a
+  # schedule, the learning rate.
+  unbuilt = 1 + isinstance(optimizer._learning_rate, keras.Variable)  # pylint: disable=protected-access
+  if len(store.keys()) == unbuilt < len(variables):
+    # Saved before the first step (e.g. model.save right after compile):
+    # only the step counter and learning rate; the rest starts fresh.
+    variables = variables[:unbuilt]
+  elif len(store.keys()) != len(variables):
+    raise ValueError(
+        f"Cannot restore {optimizer.name}: the file holds "
+        f"{len(store.keys())} variables, this optimizer has {len(variables)}"
+        + ("" if optimizer.built else " (build it first: "
+           "optimizer.build(model.trainable_variables))") + ".")
+  for i, variable in enumerate(variables):
+    variable.assign(store[str(i)])
+  if optimizer.built:  # (unbuilt: nothing drawn, nothing pending)
+    optimizer._private.restart(  # pylint: disable=protected-access
+        optimizer._physical_batches if optimizer.accumulation_steps > 1  # pylint: disable=protected-access
+        else None, optimizer.privatizer.secret_stream,
+        optimizer.seed is not None)

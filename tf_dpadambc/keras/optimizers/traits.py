@@ -14,8 +14,8 @@ build, what to refuse and how to account. Adding a variant is one file:
    drawn twice);
 3. declare ``TRAITS = EstimatorTraits(...)`` with what it does (below), e.g.
    ``TRAITS = EstimatorTraits(releases_plain_sum=False, noise_streams=(0, 1))``;
-4. register it: ``@keras.saving.register_keras_serializable(package=PACKAGE)``
-   (``base.register(args_doc)`` does that and appends the shared ``Args``).
+4. register it with ``@base.register(args_doc)`` (Keras serialization, and
+   the shared ``Args`` text appended to the docstring).
 
 ``tests/test_variants.py`` then runs it through the shared checks (noise
 drawn once, privacy unchanged by saving, accounting).
