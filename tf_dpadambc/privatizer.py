@@ -17,8 +17,10 @@ optimizer hands each step a :class:`StepContext` and calls
 :meth:`Privatizer.release`; it never asks which privatizer it holds, only
 what the privatizer declares (:attr:`Privatizer.secret_stream`,
 :attr:`Privatizer.replica_refusal`, :meth:`Privatizer.poisson_refusal`,
-:attr:`Privatizer.clips_records`). The DpEvent of the releases is the
-accounting's (``accounting.run``).
+:attr:`Privatizer.clips_records`). :func:`release_once` is the guard around
+every release: noise is never drawn twice for one step index with one seed,
+and a secret stream never resumes mid-way. The DpEvent of the releases is
+the accounting's (``accounting.run``).
 """
 import collections
 import dataclasses
@@ -122,6 +124,48 @@ class Privatizer:
     """
     del ctx, clipped_sum, num_units
     raise NotImplementedError
+
+
+def release_once(state, step, secret_stream, release):
+  """Runs ``release()`` for step index ``step`` at most once per seed.
+
+  Never draws the noise of a step index twice with one seed, and refuses a
+  secret noise stream (DP-MF) that does not continue where it stopped.
+  ``state`` is the optimizer's ``PrivateState`` (seed, stream position).
+  """
+  state.traced = True  # see PrivateState.restart
+  position = state.next_noise_step
+  if not secret_stream:
+    # A step index the current seed has drawn before: a restore rolled the
+    # step counter back in this process (unseen by load_own_variables, e.g.
+    # tf.train.Checkpoint.restore). Two releases with the same noise would
+    # let their difference cancel it, so go on with a fresh secret seed
+    # derived from the current one (in the compiled step: no OS).
+    seed = state.seed_variable
+    seed.assign(tf.where(
+        step < position.value,
+        tf.random.experimental.stateless_split(seed.value, 2)[1],
+        seed.value))
+    position.assign(step + 1)
+    release()
+    return
+  state.check_stream_continues()  # eagerly, when the step is traced
+  # The same check inside the step, for a restore into an optimizer whose
+  # step is compiled already. It raises where the step is not compiled by
+  # XLA; XLA drops asserts, and there the step is skipped: no noise, no
+  # update, the step counter does not move (nothing is released).
+  continues = tf.equal(step, position.value)
+  checks = tf.debugging.Assert(continues, [
+      "A noise stream cannot resume mid-stream: step", step,
+      "but the stream is at", position.value])
+
+  def release_and_advance():
+    position.assign(step + 1)
+    release()
+    return tf.constant(True)
+
+  with tf.control_dependencies([checks] if checks is not None else []):
+    tf.cond(continues, release_and_advance, lambda: tf.constant(False))
 
 
 def gaussian_release(ctx, clipped_sum, num_units):

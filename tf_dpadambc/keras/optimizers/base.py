@@ -52,6 +52,7 @@ _AGGREGATED_GRADIENTS_ERROR = (
     "`tf_dpadambc.private_gradient_sum(...)` and "
     "`optimizer.apply_private(...)`.")
 
+
 def register(args_doc=""):
   """Class decorator of every public optimizer: appends the shared ``Args``
   text (if any) and registers the class for saving."""
@@ -345,8 +346,8 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
   def _release(self, clipped_sum, clipped_square_sum, num_units,
                num_examples, variables):
     """One logical step, at most once per step index and seed."""
-    self._private.guard_release(
-        tf.cast(self._iterations.value, tf.int64),
+    privatizer_lib.release_once(
+        self._private, tf.cast(self._iterations.value, tf.int64),
         self.privatizer.secret_stream,
         lambda: self._release_now(clipped_sum, clipped_square_sum, num_units,
                                   num_examples, variables))

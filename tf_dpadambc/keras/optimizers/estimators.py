@@ -27,7 +27,6 @@ from tf_dpadambc.core import noise
 from tf_dpadambc.core import updates
 from tf_dpadambc.keras.optimizers import adaptive
 from tf_dpadambc.keras.optimizers import base
-from tf_dpadambc.keras.optimizers import traits
 
 
 class _Epsilon(adaptive.Adaptive):

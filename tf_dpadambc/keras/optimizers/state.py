@@ -13,7 +13,8 @@ All of it lives in *unsaved variables*: variables created like Keras'
 ``add_variable`` but kept in plain attributes of this object, which neither
 Keras' tracker (``optimizer.variables``, what the Keras formats save) nor TF's
 object graph (tf.train.Checkpoint, SavedModel) sees: by construction, not per
-format. Two invariants the optimizer relies on (see :meth:`guard_release`):
+format. Two invariants the optimizer relies on (kept by
+``privatizer.release_once``, which reads and advances this state):
 
 * noise is never drawn twice for one step index with one seed (a restore that
   rolls the step counter back gets a fresh seed, derived in the step);
@@ -228,46 +229,7 @@ class PrivateState:
 
     tf.cond(step >= k, release_and_restart, lambda: tf.constant(False))
 
-  # ------------------------------------------------ once per step index
-  def guard_release(self, step, secret_stream, release):
-    """Runs ``release()`` for step index ``step`` at most once per seed.
-
-    Never draws the noise of a step index twice with one seed, and refuses a
-    secret noise stream (DP-MF) that does not continue where it stopped.
-    """
-    self.traced = True  # see restart
-    if not secret_stream:
-      # A step index the current seed has drawn before: a restore rolled the
-      # step counter back in this process (unseen by load_own_variables,
-      # e.g. tf.train.Checkpoint.restore). Two releases with the same noise
-      # would let their difference cancel it, so go on with a fresh secret
-      # seed derived from the current one (in the compiled step: no OS).
-      seed = self.seed_variable
-      seed.assign(tf.where(
-          step < self.next_noise_step.value,
-          tf.random.experimental.stateless_split(seed.value, 2)[1],
-          seed.value))
-      self.next_noise_step.assign(step + 1)
-      release()
-      return
-    self.check_stream_continues()  # eagerly, when the step is traced
-    # The same check inside the step, for a restore into an optimizer whose
-    # step is compiled already. It raises where the step is not compiled by
-    # XLA; XLA drops asserts, and there the step is skipped: no noise, no
-    # update, the step counter does not move (nothing is released).
-    continues = tf.equal(step, self.next_noise_step.value)
-    checks = tf.debugging.Assert(continues, [
-        "A noise stream cannot resume mid-stream: step", step,
-        "but the stream is at", self.next_noise_step.value])
-
-    def release_once():
-      self.next_noise_step.assign(step + 1)
-      release()
-      return tf.constant(True)
-
-    with tf.control_dependencies([checks] if checks is not None else []):
-      tf.cond(continues, release_once, lambda: tf.constant(False))
-
+  # ------------------------------------------- a secret stream's position
   def check_stream_continues(self):
     with tf.init_scope():
       step = int(self._optimizer.iterations.numpy())
@@ -297,7 +259,7 @@ class PrivateState:
   #   counts releases, does not under-count;
   # * the seed is new: drawn from the OS by a new optimizer (and, for a
   #   restore into this one, here, or derived in the step when the step
-  #   counter went back, see guard_release);
+  #   counter went back, see privatizer.release_once);
   # * a secret noise stream (DP-MF) cannot be continued: training refuses
   #   until it is back where it stopped (see stream_error).
   def restart(self, physical_batches, secret_stream, fixed_seed):
