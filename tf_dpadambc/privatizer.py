@@ -93,6 +93,10 @@ class Privatizer:
   # records, or a sum clipped at its own clip norm, never another clipped sum.
   clips_records = False
 
+  def adds_noise(self, noise_multiplier):
+    """False where the release adds no noise (σ = 0: NOT private)."""
+    return noise_multiplier > 0
+
   def poisson_refusal(self):
     """Why Poisson batches (normalised by the expected B) are unsound with
     this privatizer, or None."""

@@ -165,6 +165,10 @@ class QueryRelease(privatizer.Privatizer):
   def poisson_refusal(self):
     return "a DPQuery (it normalises by the realized number of units)"
 
+  def adds_noise(self, noise_multiplier):
+    del noise_multiplier  # (the query's own)
+    return self.is_private
+
   # ------------------------------------------------------------ the state
   def initial_state(self, templates):
     """The initial global state, eagerly, and which leaves change shape.

@@ -133,10 +133,8 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
   def is_private(self):
     """False when no noise is added (noise_multiplier == 0, a DPQuery without
     noise) or the class is a non-private research baseline."""
-    if self.traits.not_private_reason:
-      return False
-    return self.query.is_private if self.query is not None else (
-        self.noise_multiplier > 0)
+    return (not self.traits.not_private_reason
+            and self.privatizer.adds_noise(self.noise_multiplier))
 
   @property
   def sensitivity(self):
