@@ -89,10 +89,11 @@ class ZeroOutIME(dp.DPAdagradIME):
   instead of Algorithm 6's (2B+1)C²/B². Not part of the library.
   """
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
+  def _privatize(self, ctx, clipped_sum, clipped_square_sum, num_units):
     del clipped_square_sum
+    sample = ctx.sample
     b = tf.cast(num_units, tf.float32)
-    clip = tf.cast(self._step_sensitivity(), tf.float32)
+    clip = tf.cast(ctx.sensitivity, tf.float32)
     mean = [s / b for s in clipped_sum]
     sigma = math.sqrt(2.0) * self.noise_multiplier
     first_std = sigma * clip / b

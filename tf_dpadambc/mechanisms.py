@@ -27,7 +27,8 @@ DpEvent), ``derive_metrics``.
 Secrecy: the correlated state holds past noise, as secret as the seed.
 Neither is ever saved (no optimizer file, checkpoint or SavedModel holds
 them), so a DP-MF run cannot resume from a file mid-stream: the optimizer
-refuses to train on (``DPOptimizer._stream_error``).
+refuses to train on
+(``keras.optimizers.state.PrivateState.stream_error``).
 """
 import collections
 import math
@@ -36,6 +37,7 @@ import dp_accounting
 import numpy as np
 import tensorflow as tf
 
+from tf_dpadambc import privatizer
 from tf_dpadambc._checks import check_count
 from tf_dpadambc._checks import check_positive
 from tf_dpadambc.accounting import events
@@ -50,8 +52,12 @@ GlobalState.__doc__ = """The DPQuery global state: clip norm, noise std σC,
 the step t and the mechanism's streaming state (one tensor per record part)."""
 
 
-class NoiseMechanism:
-  """Base: the Gaussian noise of one release, and the DPQuery protocol."""
+class NoiseMechanism(privatizer.Privatizer):
+  """Base: the Gaussian noise of one release, and the DPQuery protocol.
+
+  As the optimizers' :class:`~tf_dpadambc.privatizer.Privatizer` its release
+  is DP-SGD's, (S + σΔ·noise)/B, with the noise from :meth:`sample`.
+  """
 
   # Ratio of the noise std to σΔ for z_t; sens(C) for DP-MF.
   sensitivity = 1.0
@@ -67,15 +73,8 @@ class NoiseMechanism:
     self.record_specs = record_specs
 
   # --------------------------------------------------- optimizer-facing API
-  def state_shape(self, shape):
-    """Shape of the streaming state kept for a parameter of ``shape``, or None."""
-    del shape
-    return None
-
-  def variance_factor(self, step):
-    """Var of the step-t noise per coordinate, divided by (σΔ)²."""
-    del step
-    return tf.constant(1.0, tf.float32)
+  def release(self, ctx, clipped_sum, num_units):
+    return privatizer.gaussian_release(ctx, clipped_sum, num_units)
 
   def sample(self, templates, stddev, seed_of, step, state):
     """Noise of std ``stddev``·(this mechanism's scale) shaped like ``templates``.
@@ -295,6 +294,27 @@ class CorrelatedNoise(NoiseMechanism):
             f"sensitivity={self.sensitivity:.4g})")
 
   # --------------------------------------------------- optimizer-facing API
+  # Past noise is as secret as the seed and never saved; one stream per
+  # process (replicas would need one shared stream).
+  secret_stream = True
+  replica_refusal = "correlated (DP-MF) noise"
+
+  def check_step_variables(self, indices, num_built):
+    if indices != list(range(num_built)):
+      raise ValueError(
+          "Correlated (DP-MF) noise streams every variable's noise from its "
+          "past draws, so every step must update all the variables the "
+          f"optimizer was built with, in order ({len(indices)} of "
+          f"{num_built} given). Freeze layers before the first step, or use "
+          "a new optimizer after freezing.")
+
+  def poisson_refusal(self):
+    if self.supports_cyclic_poisson:
+      return None
+    return ("correlated (DP-MF) noise of a strategy that is not banded (no ε "
+            "is known for it with Poisson sampling; a banded one takes cyclic "
+            "Poisson batches, data.cyclic_poisson_batches)")
+
   @property
   def regenerates_past_draws(self):
     """True for a Dense C: step t redraws z_0..z_t from the step seeds, so

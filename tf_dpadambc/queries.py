@@ -37,6 +37,8 @@ flag: :mod:`tf_dpadambc.tf_privacy` imports it.
 import dp_accounting
 import tensorflow as tf
 
+from tf_dpadambc import mechanisms
+from tf_dpadambc import privatizer
 from tf_dpadambc.core import ghost
 
 
@@ -53,8 +55,31 @@ class NotAccountable(ValueError):
     self.not_private = not_private
 
 
-def _class_names(obj):
-  return {c.__name__ for c in type(obj).__mro__}
+# What tf_dpadambc knows of a query, by class: the only place that asks.
+# TF-Privacy's classes are known by name (TF-Privacy is optional, and cannot
+# be imported on TensorFlow ≥ 2.16 without its skip flag); ours by type.
+_TF_PRIVACY_KINDS = (("NormalizedQuery", "normalized"),
+                     ("QuantileAdaptiveClipSumQuery", "adaptive"),
+                     ("GaussianSumQuery", "gaussian"))
+
+
+def _kind(query):
+  """``"normalized"``, ``"adaptive"``, ``"gaussian"`` (a Gaussian sum
+  query, or our IndependentNoise), ``"correlated"`` (our CorrelatedNoise)
+  or None (any other query: only its DPQuery protocol is used)."""
+  if isinstance(query, mechanisms.CorrelatedNoise):
+    return "correlated"
+  if isinstance(query, mechanisms.NoiseMechanism):
+    return "gaussian"
+  names = {c.__name__ for c in type(query).__mro__}
+  return next((kind for name, kind in _TF_PRIVACY_KINDS if name in names),
+              None)
+
+
+def _sums(query):
+  """True for sum queries, which accumulate records by addition."""
+  return isinstance(query, mechanisms.NoiseMechanism) or (
+      "SumAggregationDPQuery" in {c.__name__ for c in type(query).__mro__})
 
 
 def check_query(query):
@@ -111,23 +136,38 @@ def _leaf_shapes(state):
   return [tf.convert_to_tensor(t).shape for t in tf.nest.flatten(state)]
 
 
-class QueryRelease:
-  """A DPQuery driven once per logical step, with its state in variables.
+class QueryRelease(privatizer.Privatizer):
+  """A DPQuery driven once per logical step, with its state in variables:
+  the :class:`~tf_dpadambc.privatizer.Privatizer` of ``query=``.
 
   Args:
     query: the DPQuery.
   """
 
+  # Its state and noise are per process; it clips every record itself.
+  replica_refusal = "a DPQuery (its state and noise are per process)"
+  clips_records = True
+
   def __init__(self, query):
     self.query = check_query(query)
-    names = _class_names(query)
+    kind = _kind(query)
     # Sum queries accumulate by addition: Σ over the vectorized records is
     # exactly accumulate_preprocessed_record folded over them.
-    self.sums = ("SumAggregationDPQuery" in names
-                 or "NoiseMechanism" in names)
-    self.normalizes = "NormalizedQuery" in names
+    self.sums = _sums(query)
+    self.normalizes = kind == "normalized"
     self._initial_event = None
     self._varying = None
+
+  @property
+  def secret_stream(self):
+    return not self.public_state
+
+  def poisson_refusal(self):
+    return "a DPQuery (it normalises by the realized number of units)"
+
+  def adds_noise(self, noise_multiplier):
+    del noise_multiplier  # (the query's own)
+    return self.is_private
 
   # ------------------------------------------------------------ the state
   def initial_state(self, templates):
@@ -217,15 +257,26 @@ class QueryRelease:
     and :meth:`sample_from_clipped` builds the same sample state.
     """
     query = self.query if query is None else query
-    names = _class_names(query)
+    kind = _kind(query)
     params = query.derive_sample_params(state)
-    if "NormalizedQuery" in names:
+    if kind == "normalized":
       return self.clip_norm(state.numerator_state, query._numerator)  # pylint: disable=protected-access
-    if "QuantileAdaptiveClipSumQuery" in names:
+    if kind == "adaptive":
       return params.sum_params
-    if "GaussianSumQuery" in names or "NoiseMechanism" in names:
+    if kind in ("gaussian", "correlated"):
       return params
     return None
+
+  def sample_of_clipped_sum(self, state, result, templates, unit_mask=None):
+    """:meth:`sample_from_clipped` of a ``core.clipping.ClippedSum``: its
+    records are the units with a finite norm, verified, and in
+    ``unit_mask`` (real, not padding)."""
+    norms = tf.convert_to_tensor(result.norms)
+    mask = tf.math.is_finite(norms) & ~tf.convert_to_tensor(result.mismatch)
+    if unit_mask is not None:
+      mask &= unit_mask
+    return self.sample_from_clipped(state, result.grads, norms, templates,
+                                    mask)
 
   def sample_from_clipped(self, state, clipped_sum, norms, templates,
                           unit_mask, query=None):
@@ -236,13 +287,13 @@ class QueryRelease:
     verified); the clipped sum already excludes the others.
     """
     query = self.query if query is None else query
-    names = _class_names(query)
-    if "NormalizedQuery" in names:
+    kind = _kind(query)
+    if kind == "normalized":
       return self.sample_from_clipped(state.numerator_state, clipped_sum,
                                       norms, templates, unit_mask,
                                       query._numerator)  # pylint: disable=protected-access
     initial = query.initial_sample_state(list(templates))
-    if "QuantileAdaptiveClipSumQuery" in names:
+    if kind == "adaptive":
       # Andrew et al.'s estimator counts the records with ‖g_u‖ ≤ C_t.
       estimator = query._quantile_estimator_query  # pylint: disable=protected-access
       params = query.derive_sample_params(state).quantile_estimator_params
@@ -256,7 +307,18 @@ class QueryRelease:
           + tf.reduce_sum(counts))
     return _added(initial, clipped_sum)
 
-  def release(self, sample_state, state, num_units):
+  def release(self, ctx, clipped_sum, num_units):
+    """The query's release; its new global state goes to the variables
+    (``ctx.state``). Φ is NaN where the noise std is unknown (it then only
+    feeds diagnostics: the variants that subtract it refuse such queries)."""
+    mean, new_state, phi = self.noised_mean(clipped_sum, ctx.state.query_state(),
+                                            num_units)
+    ctx.state.assign_query_state(new_state)
+    if phi is None:
+      phi = tf.constant(float("nan"), tf.float32)
+    return privatizer.Release(mean, None, phi)
+
+  def noised_mean(self, sample_state, state, num_units):
     """(private mean ḡ as a list, new global state, Φ or None).
 
     ḡ = result / B for sum queries (B = ``num_units``), the result itself
@@ -276,17 +338,15 @@ class QueryRelease:
   def noise_stddev(self, state, query=None):
     """Std of the noise the query adds to the sum, or None if unknown."""
     query = self.query if query is None else query
-    names = _class_names(query)
-    if "NormalizedQuery" in names:
+    kind = _kind(query)
+    if kind == "normalized":
       return self.noise_stddev(state.numerator_state,
                                query._numerator)  # pylint: disable=protected-access
-    if "QuantileAdaptiveClipSumQuery" in names:
+    if kind == "adaptive":
       return tf.cast(state.sum_state.stddev, tf.float32)
-    if "GaussianSumQuery" in names or "NoiseMechanism" in names:
-      if "CorrelatedNoise" in names:
-        return None  # its per-step variance varies; use noise= instead
+    if kind == "gaussian":
       return tf.cast(state.stddev, tf.float32)
-    return None
+    return None  # unknown; CorrelatedNoise's varies by step (use noise=)
 
   def metrics(self, state):
     """The query's own metrics (e.g. the adaptive clip norm)."""

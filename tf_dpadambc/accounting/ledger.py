@@ -404,6 +404,15 @@ class RunStructure:
 
 
 # -------------------------------------------------------------- optimizer
+def attached(optimizer):
+  """The optimizer's :class:`AccountingLedger`, created on first use (a plain
+  attribute: its state is saved through the optimizer's ledger variable)."""
+  if "_tf_dpadambc_ledger" not in optimizer.__dict__:
+    object.__setattr__(optimizer, "_tf_dpadambc_ledger",
+                       AccountingLedger(optimizer))
+  return optimizer.__dict__["_tf_dpadambc_ledger"]
+
+
 class AccountingLedger:
   """The ledger of one DP optimizer (``optimizer.accounting_ledger``).
 
@@ -435,7 +444,8 @@ class AccountingLedger:
     return position
 
   def _variable(self):
-    return getattr(self._optimizer, "_ledger_variable", None)
+    recorder = getattr(self._optimizer, "run_recorder", None)
+    return None if recorder is None else recorder.ledger
 
   def initial_values(self):
     """The encoded state for the variable the optimizer builds."""

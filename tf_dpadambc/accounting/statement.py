@@ -4,6 +4,7 @@ import math
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 from tf_dpadambc.accounting import events
 from tf_dpadambc.accounting import ledger as ledger_lib
+from tf_dpadambc.accounting import run
 
 
 def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
@@ -86,7 +87,7 @@ def _run_structure(optimizer, num_examples):
   if ledger is None or not optimizer.built or not optimizer.steps_taken:
     return None
   inner = getattr(optimizer, "keras_optimizer", optimizer)
-  return inner._run_structure(num_examples=num_examples)  # pylint: disable=protected-access
+  return run.run_structure(inner, num_examples=num_examples)
 
 
 def _how_accounted(structure, sigma=None):

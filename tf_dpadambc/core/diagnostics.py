@@ -9,6 +9,13 @@ import collections
 
 import tensorflow as tf
 
+# The names of the diagnostics, written here only: the optimizers declare
+# theirs (traits.EstimatorTraits.diagnostics), the train step logs them.
+V_OVER_PHI = "dp_v_over_phi"
+CLAMPED_FRACTION = "dp_clamped_fraction"
+NEGATIVE_V_FRACTION = "dp_negative_v_fraction"
+NAMES = (V_OVER_PHI, CLAMPED_FRACTION, NEGATIVE_V_FRACTION)
+
 MomentStatistics = collections.namedtuple(
     "MomentStatistics",
     ["ratio_sum", "num_clamped", "num_negative", "count"])
@@ -37,7 +44,7 @@ def summarize(statistics):
   total = MomentStatistics(*[tf.add_n(list(s)) for s in zip(*statistics)])
   count = tf.maximum(total.count, 1.0)
   return {
-      "dp_v_over_phi": total.ratio_sum / count,
-      "dp_clamped_fraction": total.num_clamped / count,
-      "dp_negative_v_fraction": total.num_negative / count,
+      V_OVER_PHI: total.ratio_sum / count,
+      CLAMPED_FRACTION: total.num_clamped / count,
+      NEGATIVE_V_FRACTION: total.num_negative / count,
   }

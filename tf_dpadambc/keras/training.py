@@ -16,6 +16,7 @@ recovered. ``make_private(model)`` installs a train step that
 all inside the one function Keras compiles (``jit_compile=True`` works).
 Losses, metrics, sample weights and validation behave as in plain Keras.
 """
+import dataclasses
 import logging
 import math
 import types
@@ -25,18 +26,15 @@ import tensorflow as tf
 
 from tf_dpadambc.accounting import ledger
 from tf_dpadambc.core import clipping
+from tf_dpadambc.core import diagnostics as core_diagnostics
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
 from tf_dpadambc.keras import ghost
 from tf_dpadambc.keras import validation
 from tf_dpadambc.keras.optimizers import base
 
-_MARK = "_tf_dpadambc_private"
-_CLIPPING = "_tf_dpadambc_clipping"
-_PLAN = "_tf_dpadambc_plan"
+_RECORD = "_tf_dpadambc_private"
 _METHODS = ("auto", "ghost", "vectorized")
-_METRICS = "_tf_dpadambc_metrics"
-_LOSS_SCALE = "_tf_dpadambc_loss_scale"
 # The static loss scale under float16 compute (make_private(loss_scale=...)).
 # A unit's loss is the mean over its own examples (one by default), not over
 # the batch: its output gradients are O(1), where Keras' dynamic scaling
@@ -48,10 +46,40 @@ _LOSS_SCALE = "_tf_dpadambc_loss_scale"
 DEFAULT_FLOAT16_LOSS_SCALE = 2.0 ** 10
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
 _UNVERIFIED = "dp_unverified_steps"
-_DIAGNOSTICS = "_tf_dpadambc_diagnostics"
-# Every optimizer diagnostic the train step may log (core.diagnostics).
-_DIAGNOSTIC_NAMES = ("dp_v_over_phi", "dp_clamped_fraction",
-                     "dp_negative_v_fraction")
+
+
+@dataclasses.dataclass
+class ModelRecord:
+  """What ``make_private`` keeps on a model, under one attribute.
+
+  Attributes:
+    clipping: the clipping method (``"auto"``, ``"ghost"``, ``"vectorized"``).
+    loss_scale: the static loss scale, or None (automatic, see
+      :func:`loss_scale`).
+    plan: the :class:`~tf_dpadambc.keras.ghost.ClippingPlan` last traced.
+    metrics: ``(dp_clipped_fraction, dp_nonfinite_examples,
+      dp_unverified_steps)`` metrics of the train step.
+    diagnostics: name → epoch mean of the optimizer's diagnostic of that
+      name (``core.diagnostics.NAMES``).
+    private: True once ``make_private`` installed the train step.
+  """
+
+  clipping: str = "auto"
+  loss_scale: float = None
+  plan: object = None
+  metrics: tuple = ()
+  diagnostics: dict = dataclasses.field(default_factory=dict)
+  private: bool = False
+
+
+def _record(model):
+  """The model's :class:`ModelRecord` (created, unsaved, on first use)."""
+  record = model.__dict__.get(_RECORD)
+  if not isinstance(record, ModelRecord):
+    record = ModelRecord()
+    # object.__setattr__: kept out of Keras' tracking and of saved models.
+    object.__setattr__(model, _RECORD, record)
+  return record
 
 
 def _batch_size(x):
@@ -248,7 +276,7 @@ def loss_scale(model):
   before any norm (``core.per_example.loss_scale``): S never changes the clip
   bound or the noise.
   """
-  scale = getattr(model, _LOSS_SCALE, None)
+  scale = _record(model).loss_scale
   if scale is not None:
     return scale
   return DEFAULT_FLOAT16_LOSS_SCALE if _computes_in(model, "float16") else 1.0
@@ -325,8 +353,8 @@ def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
 
 def _record_plan(model, plan):
   """Keeps the plan for clipping_plan(); logs fallbacks when the plan changes."""
-  previous = getattr(model, _PLAN, None)
-  object.__setattr__(model, _PLAN, plan)
+  record = _record(model)
+  previous, record.plan = record.plan, plan
   if previous is not None and str(previous) == str(plan):
     return
   if plan.fallback and not plan.fallback.endswith("was chosen"):
@@ -364,10 +392,10 @@ def clipping_plan(model, x=None, y=None, sample_weight=None):
         model, x, y, sample_weight,
         optimizer.clip_spec(model.trainable_variables),
         optimizer.num_microbatches,
-        getattr(model, _CLIPPING, "auto"))).get_concrete_function()
-  elif getattr(model, _PLAN, None) is None:
+        _record(model).clipping)).get_concrete_function()
+  elif _record(model).plan is None:
     tf.function(lambda: _plan_without_data(model)).get_concrete_function()
-  return getattr(model, _PLAN, None)
+  return _record(model).plan
 
 
 def _plan_without_data(model):
@@ -381,7 +409,7 @@ def _plan_without_data(model):
   x = [tf.zeros([2] + [1 if d is None else d for d in t.shape[1:]], t.dtype)
        for t in model.inputs]
   x = x[0] if len(x) == 1 else x
-  method = getattr(model, _CLIPPING, "auto")
+  method = _record(model).clipping
   non_trainable = [v.value for v in model.non_trainable_variables]
   params = [v.value for v in model.trainable_variables]
   _, _, losses = model.stateless_call(params, non_trainable, x,
@@ -406,33 +434,6 @@ def _plan_without_data(model):
   _record_plan(model, ghost.ClippingPlan(fallback=reason))
 
 
-def _refresh_public_preconditioner(model, optimizer):
-  """Every k steps, the public second moment from one public minibatch.
-
-  Public data costs no privacy: its gradient is neither clipped nor noised.
-  """
-  x_pub, y_pub = optimizer.public_data
-  size = min(optimizer.public_batch_size, len(x_pub))
-  if not optimizer.built:
-    optimizer.build(model.trainable_variables)
-
-  def refresh():
-    seed = tf.stack([tf.cast(optimizer.iterations, tf.int64),
-                     tf.constant(0x9B1C, tf.int64)])
-    index = tf.random.stateless_uniform([size], seed, 0, len(x_pub),
-                                        dtype=tf.int64)
-    xb = tf.gather(tf.constant(x_pub), index)
-    yb = tf.gather(tf.constant(y_pub), index)
-    with tf.GradientTape() as tape:
-      loss = _compat.compiled_loss(model)(yb, model(xb, training=False), None)
-    grads = tape.gradient(loss, model.trainable_variables,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    optimizer.observe_public_gradients(grads, model.trainable_variables)
-    return tf.constant(True)
-
-  tf.cond(optimizer.refresh_due(), refresh, lambda: tf.constant(False))
-
-
 def _advance_seed_generators(model):
   # The per-unit forward passes ran statelessly; move every stochastic layer
   # to fresh randomness for the next step.
@@ -441,8 +442,32 @@ def _advance_seed_generators(model):
 
 
 def _dp_train_step(self, data):
-  """The train step ``make_private`` installs (``self`` is the model)."""
-  optimizer = self.optimizer
+  """The train step ``make_private`` installs (``self`` is the model).
+
+  Named stages: the plan (:func:`_plan_stage`: optimizer, strategy, batch
+  kind), the optimizer's public work (``before_step``), the first-step
+  verification (:func:`_verify_stage`), the private gradient — clipped sum
+  by ghost norms or per-unit gradients, then the release
+  (:func:`_private_stage`) — and the logs (:func:`_logs_stage`).
+  """
+  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+  optimizer, replicated = _plan_stage(self, sample_weight)
+  optimizer.before_step(self)  # public work only (e.g. AdaDPS' refresh)
+  validation.check_model(self)
+  batch_size = _batch_size(x)
+  consistent = _verify_stage(self, optimizer, x, y)
+  result, unit_losses, y_pred = _private_stage(
+      self, optimizer, x, y, sample_weight, batch_size, consistent,
+      replicated)
+  _advance_seed_generators(self)
+  return _logs_stage(self, optimizer, x, y, y_pred, sample_weight,
+                     batch_size, result, unit_losses, consistent)
+
+
+def _plan_stage(model, sample_weight):
+  """The DP optimizer, and whether the step runs on several replicas;
+  refuses optimizers, strategies and batches the step cannot serve."""
+  optimizer = model.optimizer
   if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
     raise TypeError(
         "This model was made private with tf_dpadambc.make_private, but its "
@@ -457,10 +482,8 @@ def _dp_train_step(self, data):
         f"compiled with {optimizer.__class__.__name__}, which is not a "
         "differentially private optimizer. Compile it with one of "
         "tf_dpadambc's optimizers (DPSGD, DPAdam, DPAdamBC, ...).")
-  replicated = _check_strategy(self.distribute_strategy, optimizer)
-  x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-  poisson = optimizer.expected_batch_size is not None
-  if poisson and sample_weight is None:
+  replicated = _check_strategy(model.distribute_strategy, optimizer)
+  if optimizer.expected_batch_size is not None and sample_weight is None:
     raise ValueError(
         f"{optimizer.name} has expected_batch_size="
         f"{optimizer.expected_batch_size}: its batches must be Poisson "
@@ -468,50 +491,62 @@ def _dp_train_step(self, data):
         "no sample weights: fit on tf_dpadambc.data.poisson_batches(x, y, "
         "expected_batch_size=...) (without batch_size), or drop "
         "expected_batch_size for fixed-size batches (shuffle accounting).")
-  if getattr(optimizer, "public_data", None) is not None:
-    _refresh_public_preconditioner(self, optimizer)
-  validation.check_model(self)
-  batch_size = _batch_size(x)
-  # On the first step, is the model the user wrote (batched) the model that
-  # per-unit evaluation trains? If not, the step releases noise only and fit
-  # raises (privacy holds either way).
-  consistent = tf.cond(
+  return optimizer, replicated
+
+
+def _verify_stage(model, optimizer, x, y):
+  """On the first step, is the model the user wrote (batched) the model that
+  per-unit evaluation trains? If not, the step releases noise only and fit
+  raises (privacy holds either way)."""
+  return tf.cond(
       tf.equal(optimizer.iterations, 0),
-      lambda: examples_independent(self, x, optimizer.num_microbatches,
+      lambda: examples_independent(model, x, optimizer.num_microbatches,
                                    y=y),
       lambda: tf.constant(True))
-  if optimizer.query is not None:
-    result, unit_losses, y_pred = _query_step(self, optimizer, x, y,
-                                              sample_weight, batch_size,
-                                              consistent)
-    num_units = tf.shape(unit_losses)[0]
-  else:
-    result, unit_losses, y_pred = private_gradient_sum(
-        self, x, y, sample_weight,
-        optimizer.clip_spec(self.trainable_variables),
-        optimizer.num_microbatches, getattr(self, _CLIPPING, "auto"))
-    result = _unless(consistent, result)
-    num_units = tf.shape(unit_losses)[0]
-    if replicated:
-      tf.distribute.get_replica_context().merge_call(
-          _apply_across_replicas, args=(optimizer, result, num_units,
-                                        batch_size, self.trainable_variables))
-    else:
-      optimizer.apply_private(result, num_units, batch_size,
-                              self.trainable_variables)
-  _advance_seed_generators(self)
 
+
+def _private_stage(model, optimizer, x, y, sample_weight, batch_size,
+                   consistent, replicated):
+  """Σ_u clip(g_u) (ghost norms or per-unit gradients), zeroed unless
+  ``consistent``, released by the optimizer: ``(ClippedSum or None,
+  unit_losses, y_pred)``. A privatizer that clips records itself (a DPQuery)
+  gets them through :func:`_query_step`."""
+  if optimizer.privatizer.clips_records:
+    return _query_step(model, optimizer, x, y, sample_weight, batch_size,
+                       consistent)
+  result, unit_losses, y_pred = private_gradient_sum(
+      model, x, y, sample_weight,
+      optimizer.clip_spec(model.trainable_variables),
+      optimizer.num_microbatches, _record(model).clipping)
+  result = _unless(consistent, result)
+  num_units = tf.shape(unit_losses)[0]
+  if replicated:
+    tf.distribute.get_replica_context().merge_call(
+        _apply_across_replicas, args=(optimizer, result, num_units,
+                                      batch_size, model.trainable_variables))
+  else:
+    optimizer.apply_private(result, num_units, batch_size,
+                            model.trainable_variables)
+  return result, unit_losses, y_pred
+
+
+def _logs_stage(model, optimizer, x, y, y_pred, sample_weight, batch_size,
+                result, unit_losses, consistent):
+  """The step's logs: the loss over the real examples, the clipping counts,
+  the optimizer's diagnostics, the query's metrics."""
   loss, loss_weight = tf.reduce_mean(unit_losses), batch_size
-  counted = num_units
-  if poisson:  # the padding (weight 0) is no example: do not count it
+  counted = tf.shape(unit_losses)[0]
+  if optimizer.expected_batch_size is not None:
+    # The padding (weight 0) is no example: do not count it.
     real = tf.not_equal(_per_example_weights(sample_weight, batch_size), 0)
     counted = tf.reduce_sum(tf.cast(real, tf.int32))
     loss = tf.reduce_sum(unit_losses) / tf.cast(tf.maximum(counted, 1),
                                                 unit_losses.dtype)
     loss_weight = counted
     _compat.mask_rows(y_pred, real)  # metrics= are not weighted by Keras
-  _compat.loss_tracker(self).update_state(loss, sample_weight=loss_weight)
-  clipped_fraction, nonfinite, unverified = getattr(self, _METRICS)
+  _compat.loss_tracker(model).update_state(loss, sample_weight=loss_weight)
+  record = _record(model)
+  clipped_fraction, nonfinite, unverified = record.metrics
   if result is not None:  # (a DPQuery clips internally: no such counts)
     clipped_fraction.update_state(
         tf.cast(result.num_clipped, tf.float32)
@@ -520,13 +555,12 @@ def _dp_train_step(self, data):
     nonfinite.update_state(tf.cast(result.num_nonfinite, tf.float32))
   unverified.update_state(tf.cast(
       ~consistent if result is None else result.mismatch, tf.float32))
-  diagnostics = getattr(self, _DIAGNOSTICS)
   for name, value in optimizer.diagnostics().items():
-    diagnostics[name].update_state(value)
-  logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    record.diagnostics[name].update_state(value)
+  logs = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
   if result is not None:
     logs.update({m.name: m.result() for m in (clipped_fraction, nonfinite)})
-  logs.update({name: diagnostics[name].result()
+  logs.update({name: record.diagnostics[name].result()
                for name in optimizer.diagnostics()})
   logs[_UNVERIFIED] = unverified.result()
   logs.update({f"dp_query_{name}": value
@@ -551,15 +585,10 @@ def _check_strategy(strategy, optimizer):
         "Asynchronous or TPU strategies would need their own mechanism.")
   if strategy.num_replicas_in_sync == 1:
     return False
-  unsupported = [what for what, bad in (
-      ("a DPQuery (its state and noise are per process)",
-       optimizer.query is not None),
-      ("a public preconditioner", getattr(optimizer, "public_data", None)
-       is not None),
-      ("correlated (DP-MF) noise", optimizer.is_correlated)) if bad]
-  if unsupported:
+  refusal = optimizer.replica_refusal()
+  if refusal:
     raise NotImplementedError(
-        f"{optimizer.name} with {unsupported[0]} is not supported under "
+        f"{optimizer.name} with {refusal} is not supported under "
         f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} "
         "replicas yet: train on one device (no strategy scope).")
   return True
@@ -608,7 +637,7 @@ def _query_step(model, optimizer, x, y, sample_weight, batch_size,
       _per_example_weights(sample_weight, batch_size),
       optimizer.num_microbatches)
   present = tf.reduce_any(tf.not_equal(weights, 0), axis=1)
-  method = getattr(model, _CLIPPING, "auto")
+  method = _record(model).clipping
   spec = (optimizer.query_clip_spec(model.trainable_variables)
           if method != "vectorized" else None)
   if spec is not None:
@@ -763,23 +792,22 @@ def make_private(model, clipping="auto", loss_scale=None):
   validation.check_model(model)
   if clipping not in _METHODS:
     raise ValueError(f"clipping={clipping!r}: use one of {_METHODS}.")
-  object.__setattr__(model, _CLIPPING, clipping)
-  object.__setattr__(model, _LOSS_SCALE, _check_loss_scale(loss_scale))
+  record = _record(model)
+  record.clipping, record.loss_scale = clipping, _check_loss_scale(loss_scale)
   _compile_without_loss_scaling(model)
   _without_loss_scale_optimizer(model)
-  if not getattr(model, _MARK, False):
-    metrics = (keras.metrics.Mean(name="dp_clipped_fraction"),
-               keras.metrics.Sum(name="dp_nonfinite_examples"),
-               keras.metrics.Sum(name=_UNVERIFIED))
-    object.__setattr__(model, _METRICS, metrics)
+  if not record.private:
+    record.metrics = (keras.metrics.Mean(name="dp_clipped_fraction"),
+                      keras.metrics.Sum(name="dp_nonfinite_examples"),
+                      keras.metrics.Sum(name=_UNVERIFIED))
     # Epoch means of the optimizer's per-step diagnostics.
-    diagnostics = {name: keras.metrics.Mean(name=name)
-                   for name in _DIAGNOSTIC_NAMES}
-    object.__setattr__(model, _DIAGNOSTICS, diagnostics)
-    _compat.reset_metrics_too(model, metrics + tuple(diagnostics.values()))
+    record.diagnostics = {name: keras.metrics.Mean(name=name)
+                          for name in core_diagnostics.NAMES}
+    _compat.reset_metrics_too(
+        model, record.metrics + tuple(record.diagnostics.values()))
     _checked_train_function(model)
     ledger.track_fit(model)  # epochs and their batches, for the accounting
-    object.__setattr__(model, _MARK, True)
+    record.private = True
   object.__setattr__(model, "train_step",
                      types.MethodType(_dp_train_step, model))
   model.train_function = None  # drop a step traced before make_private
@@ -788,4 +816,5 @@ def make_private(model, clipping="auto", loss_scale=None):
 
 def is_private(model):
   """True if ``make_private`` was applied to this model."""
-  return bool(getattr(model, _MARK, False))
+  record = model.__dict__.get(_RECORD)
+  return isinstance(record, ModelRecord) and record.private

@@ -1,6 +1,9 @@
 """Keras 3 optimizers: thin shells over the functional core.
 
-``base``: the Gaussian mechanism every optimizer shares. ``adaptive``: the
+``base``: the Gaussian mechanism every optimizer shares (one release path;
+``state``: its unsaved state, ``arguments``: its validation, ``distributed``:
+the cross-replica update). ``traits``: what each class declares about its
+privatization, and how to add a variant. ``adaptive``: the
 moment families (Adam, RMSProp, AdaGrad). ``estimators``: how each variant
 privatizes or corrects the second moment. ``adam``, ``rmsprop``, ``adagrad``:
 the public classes, one composition each. ``delayed`` (DP²), ``public``

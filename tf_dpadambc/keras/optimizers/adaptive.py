@@ -25,6 +25,7 @@ import tensorflow as tf
 from tf_dpadambc.core import diagnostics
 from tf_dpadambc.core import moments
 from tf_dpadambc.keras.optimizers import base
+from tf_dpadambc.keras.optimizers import traits
 
 
 class Adaptive(base.DPOptimizer):
@@ -35,7 +36,7 @@ class Adaptive(base.DPOptimizer):
   :meth:`_second_moment_input`, :meth:`_direction` and :meth:`_statistics`.
   """
 
-  DIAGNOSTICS = ("dp_v_over_phi",)
+  TRAITS = traits.EstimatorTraits(diagnostics=(diagnostics.V_OVER_PHI,))
   _first_decay = None
   _second_decay = None
   _debias = False
@@ -54,10 +55,10 @@ class Adaptive(base.DPOptimizer):
     self._noise_bias = self.add_variable((), initializer="zeros",
                                          dtype="float32", name="dp_noise_bias")
 
-  def _on_private_step(self, release):
-    super()._on_private_step(release)
+  def _on_private_step(self, ctx):
+    super()._on_private_step(ctx)
     self._noise_bias.assign(moments.accumulate(
-        self._noise_bias, release.noise_variance, self._second_decay))
+        self._noise_bias, ctx.release.noise_variance, self._second_decay))
 
   def _estimate(self, accumulator, step):
     """v̂ from the accumulator v at 1-based ``step`` (step 0: v itself)."""
@@ -98,7 +99,7 @@ class Adaptive(base.DPOptimizer):
       first = (moments.debias(m.value, self._first_decay, step)
                if self._debias else m.value)
     phi = keras.ops.cast(self.phi(step), dtype)
-    self._report(self._statistics(index, v_hat, phi))
+    self.step_context.statistics.append(self._statistics(index, v_hat, phi))
     self.assign_sub(variable, lr * self._direction(first, v_hat, phi))
 
   # ------------------------------------------------------ estimator hooks

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_dpadambc.core import moments
 from tf_dpadambc.core import updates
 from tf_dpadambc.keras.optimizers import base
+from tf_dpadambc.keras.optimizers import traits
 
 
 class _DelayedPreconditioner(base.DPOptimizer):
@@ -36,6 +37,7 @@ class _DelayedPreconditioner(base.DPOptimizer):
     learning_rate: η of both phases.
   """
 
+  TRAITS = traits.EstimatorTraits(releases_plain_sum=False)  # clips at s⊙g
   _decay = None
 
   def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.1,
@@ -111,7 +113,7 @@ class _DelayedPreconditioner(base.DPOptimizer):
     return config
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
+@base.register()
 class DP2RMSProp(_DelayedPreconditioner):
   """DP² with an RMSProp preconditioner: A ← ρA + (1-ρ)(G/s1)² (Li et al. 2023).
 
@@ -133,6 +135,6 @@ class DP2RMSProp(_DelayedPreconditioner):
     return config
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
+@base.register()
 class DP2Adagrad(_DelayedPreconditioner):
   """DP² with an AdaGrad preconditioner: A ← A + (G/s1)² (Li et al. 2023)."""

@@ -72,8 +72,8 @@ class BiasCorrection(adaptive.Adaptive):
   Args: gamma_prime γ' > 0 (papers: 1e-10 … 5e-8; scale it with Φ).
   """
 
-  DIAGNOSTICS = adaptive.Adaptive.DIAGNOSTICS + ("dp_clamped_fraction",)
-  _needs_noise_variance = True
+  TRAITS = adaptive.Adaptive.TRAITS.extend(
+      diagnostics=(diagnostics.CLAMPED_FRACTION,), needs_noise_variance=True)
 
   def __init__(self, *args, gamma_prime=1e-8, **kwargs):
     gamma_prime = base.check_positive("gamma_prime", gamma_prime)
@@ -103,7 +103,9 @@ class _UnbiasedSecondMoment(_Epsilon):
   bounds it; the default 0 is Algorithm 6 as printed.
   """
 
-  DIAGNOSTICS = adaptive.Adaptive.DIAGNOSTICS + ("dp_negative_v_fraction",)
+  TRAITS = adaptive.Adaptive.TRAITS.extend(
+      diagnostics=(diagnostics.NEGATIVE_V_FRACTION,),
+      releases_plain_sum=False)
 
   def __init__(self, *args, denominator_floor=0.0, **kwargs):
     floor = base.check_positive("denominator_floor", denominator_floor,
@@ -112,7 +114,8 @@ class _UnbiasedSecondMoment(_Epsilon):
     self.denominator_floor = floor
 
   def _second_moment_input(self, index, gradient):
-    return self._step_release.second[self._position(index)]
+    ctx = self.step_context
+    return ctx.release.second[ctx.position(index)]
 
   def _direction(self, first, v_hat, phi):
     return updates.clamped_direction(first, v_hat, self.epsilon,
@@ -137,17 +140,18 @@ class IndependentMoments(_UnbiasedSecondMoment):
   variance 2(σC/B)² of the noise in ḡ.
   """
 
-  _noise_streams = (0, 1)
-  # ḡ²'s sensitivity (2B+1)C²/B² needs at most B units in the batch.
-  _poisson_unsupported = ("IME: the sensitivity of its ḡ² release, "
-                          "(2B+1)C²/B², holds only for batches of at most "
-                          "B units, and a Poisson batch can be larger")
+  TRAITS = _UnbiasedSecondMoment.TRAITS.extend(
+      noise_streams=(0, 1),
+      # ḡ²'s sensitivity (2B+1)C²/B² needs at most B units in the batch.
+      poisson_unsupported=("IME: the sensitivity of its ḡ² release, "
+                           "(2B+1)C²/B², holds only for batches of at most "
+                           "B units, and a Poisson batch can be larger"))
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
+  def _privatize(self, ctx, clipped_sum, clipped_square_sum, num_units):
     del clipped_square_sum
     first, second, variance = noise.independent_moment_release(
-        clipped_sum, self._step_sensitivity(), self.noise_multiplier,
-        num_units, sample)
+        clipped_sum, ctx.sensitivity, self.noise_multiplier, num_units,
+        ctx.sample)
     return base.Release(first, second, variance)
 
 
@@ -176,8 +180,8 @@ class JointMoments(_UnbiasedSecondMoment):
   gradient): slower than the other estimators on large models.
   """
 
-  _uses_square_sum = True
-  _noise_streams = (0, 2)
+  TRAITS = _UnbiasedSecondMoment.TRAITS.extend(uses_square_sum=True,
+                                               noise_streams=(0, 2))
 
   def __init__(self, *args, square_weight=None, adjacency="add_remove",
                **kwargs):
@@ -211,10 +215,11 @@ class JointMoments(_UnbiasedSecondMoment):
     return math.sqrt(c ** 2 + self._lambda * c ** 4)
 
   @property
-  def _accounting_noise_factor(self):
+  def traits(self):
     if self.adjacency == "add_remove":
-      return 1.0  # the noise pays for the add/remove sensitivity
-    return self.l2_norm_clip / self.add_remove_sensitivity
+      return self.TRAITS  # the noise pays for the add/remove sensitivity
+    return self.TRAITS.extend(
+        accounting_noise_factor=self.l2_norm_clip / self.add_remove_sensitivity)
 
   @property
   def accounting_reason(self):
@@ -226,12 +231,12 @@ class JointMoments(_UnbiasedSecondMoment):
             f"sensitivity sqrt(C² + λC⁴) = {self.add_remove_sensitivity:.4g}, "
             "which the add/remove accounting charges")
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
+  def _privatize(self, ctx, clipped_sum, clipped_square_sum, num_units):
     sensitivity = (self.add_remove_sensitivity
                    if self.adjacency == "add_remove" else self.l2_norm_clip)
     first, second, variance = noise.joint_moment_release(
         clipped_sum, clipped_square_sum, self.noise_multiplier * sensitivity,
-        self._lambda, num_units, sample)
+        self._lambda, num_units, ctx.sample)
     return base.Release(first, second, variance)
 
   def get_config(self):
@@ -269,6 +274,8 @@ class ScaleThenPrivatize(_Epsilon):
   Args: scale_epsilon ε_s1 > 0; epsilon ε_s2 ≥ 0.
   """
 
+  TRAITS = _Epsilon.TRAITS.extend(releases_plain_sum=False)
+
   def __init__(self, *args, scale_epsilon=1e-3, **kwargs):
     scale_epsilon = base.check_positive("scale_epsilon", scale_epsilon)
     super().__init__(*args, **kwargs)
@@ -285,20 +292,19 @@ class ScaleThenPrivatize(_Epsilon):
     spec = super().clip_spec(trainable_variables)
     return spec._replace(scale=self.preconditioner(trainable_variables))
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
-    release = super()._privatize(clipped_sum, clipped_square_sum, num_units,
-                                 sample)
-    scale = self.preconditioner(self._step_variables)
-    object.__setattr__(self, "_step_scale", scale)
+  def _privatize(self, ctx, clipped_sum, clipped_square_sum, num_units):
+    release = super()._privatize(ctx, clipped_sum, clipped_square_sum,
+                                 num_units)
+    ctx.scale = self.preconditioner(ctx.variables)
     return release._replace(first=[g / tf.cast(s, g.dtype) for g, s
-                                   in zip(release.first, scale)])
+                                   in zip(release.first, ctx.scale)])
 
   def _direction(self, first, v_hat, phi):
     return updates.adam_direction(first, v_hat, self.epsilon)
 
   def _statistics(self, index, v_hat, phi):
-    scale = keras.ops.cast(self._step_scale[self._position(index)],
-                           v_hat.dtype)
+    ctx = self.step_context
+    scale = keras.ops.cast(ctx.scale[ctx.position(index)], v_hat.dtype)
     return diagnostics.moment_statistics(v_hat * scale * scale, phi)
 
   def get_config(self):
@@ -316,9 +322,11 @@ class NoiselessPreconditioner(_Epsilon):
   ε: its privacy report says so and the accounting refuses it.
   """
 
-  _not_private_reason = (
-      "it is a research baseline whose second moment is computed from "
-      "un-noised clipped gradients; it is not differentially private.")
+  TRAITS = _Epsilon.TRAITS.extend(
+      releases_plain_sum=False,
+      not_private_reason=(
+          "it is a research baseline whose second moment is computed from "
+          "un-noised clipped gradients; it is not differentially private."))
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
@@ -328,15 +336,14 @@ class NoiselessPreconditioner(_Epsilon):
         "private optimizers, never to train on sensitive data.",
         UserWarning, stacklevel=2)
 
-  def _privatize(self, clipped_sum, clipped_square_sum, num_units, sample):
-    release = super()._privatize(clipped_sum, clipped_square_sum, num_units,
-                                 sample)
+  def _privatize(self, ctx, clipped_sum, clipped_square_sum, num_units):
+    release = super()._privatize(ctx, clipped_sum, clipped_square_sum,
+                                 num_units)
     b = tf.cast(num_units, tf.float32)
     clean = [tf.square(s / tf.cast(b, s.dtype)) for s in clipped_sum]
     return release._replace(second=clean)
 
-  def _second_moment_input(self, index, gradient):
-    return self._step_release.second[self._position(index)]
+  _second_moment_input = _UnbiasedSecondMoment._second_moment_input
 
   def _direction(self, first, v_hat, phi):
     return updates.adam_direction(first, v_hat, self.epsilon)

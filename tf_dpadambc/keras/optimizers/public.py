@@ -18,10 +18,12 @@ import tensorflow as tf
 
 from tf_dpadambc.core import moments
 from tf_dpadambc.core import updates
+from tf_dpadambc.keras import _compat
 from tf_dpadambc.keras.optimizers import base
+from tf_dpadambc.keras.optimizers import traits
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
+@base.register()
 class DPAdamPublicPreconditioner(base.DPOptimizer):
   """Momentum step on gradients preconditioned by public information (AdaDPS).
 
@@ -42,6 +44,8 @@ class DPAdamPublicPreconditioner(base.DPOptimizer):
     beta_1: momentum of the private step; beta_2: decay of A.
     epsilon: ε in s = 1/(√A + ε).
   """
+
+  TRAITS = traits.EstimatorTraits(releases_plain_sum=False)  # clips at s⊙g
 
   def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.001,
                public_data=None, preconditioner=None, refresh_every=100,
@@ -107,6 +111,39 @@ class DPAdamPublicPreconditioner(base.DPOptimizer):
     if self.accumulation_steps > 1:
       due &= tf.equal(self._physical_step % self.accumulation_steps, 0)
     return due
+
+  def replica_refusal(self):
+    if self.public_data is not None:
+      return "a public preconditioner"
+    return super().replica_refusal()
+
+  def before_step(self, model):
+    """Every k steps (:meth:`refresh_due`), A from one public minibatch of
+    ``public_data``. Public data costs no privacy: its gradient is neither
+    clipped nor noised, and only A (never a private value) depends on it."""
+    if self.public_data is None:
+      return
+    x_pub, y_pub = self.public_data
+    size = min(self.public_batch_size, len(x_pub))
+    if not self.built:
+      self.build(model.trainable_variables)
+
+    def refresh():
+      seed = tf.stack([tf.cast(self.iterations, tf.int64),
+                       tf.constant(0x9B1C, tf.int64)])
+      index = tf.random.stateless_uniform([size], seed, 0, len(x_pub),
+                                          dtype=tf.int64)
+      xb = tf.gather(tf.constant(x_pub), index)
+      yb = tf.gather(tf.constant(y_pub), index)
+      with tf.GradientTape() as tape:
+        loss = _compat.compiled_loss(model)(yb, model(xb, training=False),
+                                            None)
+      grads = tape.gradient(loss, model.trainable_variables,
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      self.observe_public_gradients(grads, model.trainable_variables)
+      return tf.constant(True)
+
+    tf.cond(self.refresh_due(), refresh, lambda: tf.constant(False))
 
   def observe_public_gradients(self, gradients, trainable_variables):
     """A ← β2 A + (1-β2) ḡ_pub² from one public minibatch's mean gradient."""

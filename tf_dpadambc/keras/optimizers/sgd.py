@@ -5,7 +5,7 @@ from tf_dpadambc.core import updates
 from tf_dpadambc.keras.optimizers import base
 
 
-@keras.saving.register_keras_serializable(package=base.PACKAGE)
+@base.register()
 class DPSGD(base.DPOptimizer):
   """DP-SGD: θ ← θ − η ḡ, or with momentum u ← μu − ηḡ, θ ← θ + u.
 
