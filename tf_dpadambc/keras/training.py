@@ -28,6 +28,7 @@ from tf_dpadambc.core import clipping
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
 from tf_dpadambc.keras import ghost
+from tf_dpadambc.keras import replicas
 from tf_dpadambc.keras import validation
 from tf_dpadambc.keras.optimizers import base
 
@@ -493,9 +494,8 @@ def _dp_train_step(self, data):
     result = _unless(consistent, result)
     num_units = tf.shape(unit_losses)[0]
     if replicated:
-      tf.distribute.get_replica_context().merge_call(
-          _apply_across_replicas, args=(optimizer, result, num_units,
-                                        batch_size, self.trainable_variables))
+      replicas.release(optimizer, result, num_units, batch_size,
+                       self.trainable_variables)
     else:
       optimizer.apply_private(result, num_units, batch_size,
                               self.trainable_variables)
@@ -565,24 +565,6 @@ def _check_strategy(strategy, optimizer):
   return True
 
 
-def _apply_across_replicas(strategy, optimizer, result, num_units,
-                           num_examples, variables):
-  """Cross-replica: Σ over replicas of the clipped sums and counts, then
-  one private release (noise drawn once: total std σC, not σC per replica).
-
-  Each replica clipped its own examples, so the reduced sum is exactly the
-  single-device Σ_u clip(g_u); the optimizer sees one logical batch.
-  """
-  def total(value):
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-
-  optimizer.apply_private(
-      [total(g) for g in result.grads], total(num_units), total(num_examples),
-      variables,
-      clipped_square_sum=(None if result.square_grads is None else
-                          [total(g) for g in result.square_grads]))
-
-
 def _unless(consistent, result):
   """The clipped sum, zeroed (noise only) where ``consistent`` is False."""
   def keep(ts):
@@ -640,6 +622,7 @@ def _checked_train_function(model):
   make = model.make_train_function
 
   def make_train_function(force=False):
+    replicas.refuse_keras3_fit(model)  # before Keras' own failure
     if model.distribute_strategy.num_replicas_in_sync > 1 and model.jit_compile:
       # The replicas' clipped sums meet in one cross-replica release, which
       # XLA cannot compile across devices.
