@@ -7,8 +7,9 @@ SCENARIO: ``keras3-inside`` (custom loop with ``private_step``; model and
 optimizer made in the strategy's scope), ``keras3-outside`` (the optimizer
 constructed outside the scope, built by ``private_step`` on the first
 step), ``keras3-prebuilt`` (the optimizer constructed and built outside the
-scope: plain variables, a different OS seed in each process), ``tf_keras``
-(tf_keras ``fit`` with tf_dpadambc.tf_keras.DPSGD / DPAdamBC) or
+scope: plain variables, a different OS seed in each process), ``tf_keras-inside``
+/ ``tf_keras-outside`` (tf_keras ``fit`` with tf_dpadambc.tf_keras.DPSGD /
+DPAdamBC, constructed in or outside the scope) or
 ``keras3-fit`` (Keras 3 ``fit``: must be refused).
 
 Two models per scenario, trained on both workers:
@@ -125,6 +126,7 @@ def _keras3(how):
       model.compile(optimizer=optimizer, loss=(
           keras.losses.SparseCategoricalCrossentropy(from_logits=True)
           if name == "trained" else "mse"))
+    initial = [v.numpy().tolist() for v in model.trainable_variables]
 
     @tf.function
     def step(batch, model=model):
@@ -137,11 +139,12 @@ def _keras3(how):
     else:
       step((tf.zeros([LOCAL, 4]), tf.zeros([LOCAL, NOISE_UNITS])))
     results[name] = {
+        "initial": initial,
         "weights": [v.numpy().tolist() for v in model.trainable_variables],
         "steps_taken": int(optimizer.steps_taken),
         "logical_batch_size": int(optimizer.logical_batch_size),
         "dp_event": str(optimizer.dp_event(N)),
-        "seed_variable_mirrored": type(
+        "seed_variable": type(
             optimizer._seed_variable.value).__name__}  # pylint: disable=protected-access
   reference, ref_optimizer = _reference()
   results["reference"] = {
@@ -166,23 +169,28 @@ def _keras3_fit():
   return {"error": None}
 
 
-def _tf_keras():
+def _tf_keras(how):
   x, y = _data()
   results = {}
   none = tf_keras.losses.Reduction.NONE
   for name in ("trained", "noise"):
+    if name == "trained":
+      def make():
+        return tf_dpadambc.tf_keras.DPAdamBC(1.0, 1.0, seed=3,
+                                             learning_rate=0.05)
+      loss = tf_keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True, reduction=none)
+    else:
+      def make():
+        return tf_dpadambc.tf_keras.DPSGD(CLIP, SIGMA, learning_rate=1.0)
+      loss = tf_keras.losses.MeanSquaredError(reduction=none)
+    optimizer = make() if how == "outside" else None
     with STRATEGY.scope():
-      if name == "trained":
-        model = _classifier(tf_keras)
-        optimizer = tf_dpadambc.tf_keras.DPAdamBC(1.0, 1.0, seed=3,
-                                                  learning_rate=0.05)
-        loss = tf_keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction=none)
-      else:
-        model = _noise_model(tf_keras)
-        optimizer = tf_dpadambc.tf_keras.DPSGD(CLIP, SIGMA, learning_rate=1.0)
-        loss = tf_keras.losses.MeanSquaredError(reduction=none)
+      model = _classifier(tf_keras) if name == "trained" else _noise_model(
+          tf_keras)
+      optimizer = optimizer or make()
       model.compile(optimizer=optimizer, loss=loss)
+    initial = [np.asarray(w).tolist() for w in model.get_weights()]
     if name == "trained":
       # fit splits each global batch of 32 across the replicas.
       model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False,
@@ -192,10 +200,15 @@ def _tf_keras():
                 np.zeros((GLOBAL_BATCH, NOISE_UNITS), "float32"),
                 batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
     results[name] = {
+        "initial": initial,
         "weights": [np.asarray(w).tolist() for w in model.get_weights()],
         "steps_taken": int(optimizer.steps_taken),
         "logical_batch_size": int(optimizer.logical_batch_size),
-        "dp_event": str(optimizer.dp_event(N))}
+        "dp_event": str(optimizer.dp_event(N)),
+        "per_unit_plan": optimizer.per_unit_plan,
+        "refused_steps": optimizer.refused_steps,
+        "seed_variable": type(optimizer.keras_optimizer._seed_variable.value  # pylint: disable=protected-access
+                              ).__name__}
   # The reference: the same steps on one device with the Keras 3 optimizer.
   reference, ref_optimizer = _reference()
   results["reference"] = {
@@ -212,8 +225,8 @@ def main(scenario, out):
       results = _keras3(scenario.split("-", 1)[1])
     elif scenario == "keras3-fit":
       results = _keras3_fit()
-    elif scenario == "tf_keras":
-      results = _tf_keras()
+    elif scenario.startswith("tf_keras-"):
+      results = _tf_keras(scenario.split("-", 1)[1])
     else:
       raise ValueError(f"unknown scenario {scenario!r}")
     results["worker"] = WORKER

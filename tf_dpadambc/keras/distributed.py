@@ -85,7 +85,7 @@ def private_step(model, data, optimizer=None):
         "samples with weight 0 on the padding (pass (x, y, sample_weight)).")
   variables = model.trainable_variables
   if not optimizer.built:
-    _build(optimizer, variables)
+    replicas.build(optimizer, variables)
   batch_size = training._batch_size(x)  # pylint: disable=protected-access
   result, unit_losses, _ = training.private_gradient_sum(
       model, x, y, sample_weight, optimizer.clip_spec(variables),
@@ -104,22 +104,3 @@ def private_step(model, data, optimizer=None):
   counted = tf.maximum(tf.reduce_sum(tf.cast(real, unit_losses.dtype)), 1)
   return tf.reduce_sum(unit_losses) / counted
 
-
-def _build(optimizer, variables):
-  """Builds the optimizer eagerly, in the strategy's scope (each variable
-  starts from worker 0's value, broadcast), also from a traced replica step:
-  through a ``merge_call``, as a replica cannot enter the scope itself."""
-  def build(strategy):
-    # Keras' TF optimizer keeps the strategy current at its construction
-    # (to colocate its slots): one constructed outside the scope would
-    # refuse to build in it.
-    if getattr(optimizer, "_distribution_strategy", strategy) is not strategy:
-      optimizer._distribution_strategy = strategy  # pylint: disable=protected-access
-    with tf.init_scope(), strategy.scope():
-      optimizer.build(variables)
-  context = tf.distribute.get_replica_context()
-  if context is None or tf.distribute.get_strategy().num_replicas_in_sync == 1:
-    with tf.init_scope():
-      optimizer.build(variables)
-  else:
-    context.merge_call(build)

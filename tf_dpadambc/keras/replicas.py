@@ -47,13 +47,41 @@ KERAS3_FIT_ERROR = (
     "tf_dpadambc.tf_keras's optimizers, whose fit supports it.")
 
 
-def refuse_keras3_fit(model):
-  """Raises a clear error where Keras 3's ``fit`` cannot run (several
-  workers), before the upstream failure."""
-  workers = num_workers(model.distribute_strategy)
-  if workers > 1:
-    raise NotImplementedError(KERAS3_FIT_ERROR.format(name=model.name,
-                                                      workers=workers))
+def refuse_fit_across_workers(model):
+  """Wraps ``model.fit`` so that it raises a clear ``NotImplementedError``
+  under several workers, before Keras' own failure (which comes while
+  Keras builds the model on a first, distributed batch)."""
+  fit = model.fit
+
+  def checked_fit(*args, **kwargs):
+    workers = num_workers(model.distribute_strategy)
+    if workers > 1:
+      raise NotImplementedError(KERAS3_FIT_ERROR.format(name=model.name,
+                                                        workers=workers))
+    return fit(*args, **kwargs)
+  checked_fit.__doc__ = fit.__doc__
+  object.__setattr__(model, "fit", checked_fit)
+
+
+def build(optimizer, variables):
+  """Builds the optimizer eagerly, in the current strategy's scope (so each
+  of its variables starts from worker 0's value, broadcast), also from a
+  traced replica step: through a ``merge_call``, as a replica cannot enter
+  the scope itself."""
+  def build_in(strategy):
+    # Keras' TF optimizer keeps the strategy current at its construction
+    # (to colocate its slots): one constructed outside the scope would
+    # refuse to build in it.
+    if getattr(optimizer, "_distribution_strategy", strategy) is not strategy:
+      optimizer._distribution_strategy = strategy  # pylint: disable=protected-access
+    with tf.init_scope(), strategy.scope():
+      optimizer.build(variables)
+  context = tf.distribute.get_replica_context()
+  if context is None or tf.distribute.get_strategy().num_replicas_in_sync == 1:
+    with tf.init_scope():
+      optimizer.build(variables)
+  else:
+    context.merge_call(build_in)
 
 
 def release(optimizer, result, num_units, num_examples, variables):

@@ -622,7 +622,6 @@ def _checked_train_function(model):
   make = model.make_train_function
 
   def make_train_function(force=False):
-    replicas.refuse_keras3_fit(model)  # before Keras' own failure
     if model.distribute_strategy.num_replicas_in_sync > 1 and model.jit_compile:
       # The replicas' clipped sums meet in one cross-replica release, which
       # XLA cannot compile across devices.
@@ -761,6 +760,7 @@ def make_private(model, clipping="auto", loss_scale=None):
     object.__setattr__(model, _DIAGNOSTICS, diagnostics)
     _compat.reset_metrics_too(model, metrics + tuple(diagnostics.values()))
     _checked_train_function(model)
+    replicas.refuse_fit_across_workers(model)
     ledger.track_fit(model)  # epochs and their batches, for the accounting
     object.__setattr__(model, _MARK, True)
   object.__setattr__(model, "train_step",
