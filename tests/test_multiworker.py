@@ -25,8 +25,8 @@ import sys
 import numpy as np
 import pytest
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                      "multiworker_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "multiworker_worker.py")
 TIMEOUT = 180  # seconds for both processes (about 10-30 s on 2 busy cores)
 EXPECTED_STD = 2.0 / 32  # σ = 2, C = 1, B_global = 32
 STD_RTOL = 0.03
@@ -47,25 +47,27 @@ def _free_ports(n):
       s.close()
 
 
-def _run_workers(scenario, tmp_path):
+def _launch(argv, name, tmp_path, timeout=TIMEOUT):
+  """Runs ``python *argv`` as workers 0 and 1 of one cluster; returns their
+  exit codes and logs (both killed after ``timeout`` seconds)."""
   ports = _free_ports(2)
   cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-  procs, outs, logs = [], [], []
+  procs, logs = [], []
   try:
     for index in range(2):
       env = dict(os.environ, TF_CONFIG=json.dumps(
           {"cluster": cluster, "task": {"type": "worker", "index": index}}),
-                 TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-      out = tmp_path / f"{scenario}-{index}.json"
-      log = open(tmp_path / f"{scenario}-{index}.log", "w")  # pylint: disable=consider-using-with
-      outs.append(out)
+                 TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="",
+                 PYTHONPATH=os.pathsep.join([ROOT] + [
+                     p for p in [os.environ.get("PYTHONPATH")] if p]))
+      log = open(tmp_path / f"{name}-{index}.log", "w")  # pylint: disable=consider-using-with
       logs.append(log)
       procs.append(subprocess.Popen(  # pylint: disable=consider-using-with
-          [sys.executable, WORKER, scenario, str(out)], env=env,
+          [sys.executable] + [a.format(index=index) for a in argv], env=env,
           stdout=log, stderr=subprocess.STDOUT))
     for proc in procs:
       try:
-        proc.wait(timeout=TIMEOUT)
+        proc.wait(timeout=timeout)
       except subprocess.TimeoutExpired:
         pass
   finally:
@@ -75,13 +77,20 @@ def _run_workers(scenario, tmp_path):
         proc.wait()
     for log in logs:
       log.close()
+  return ([proc.returncode for proc in procs],
+          [(tmp_path / f"{name}-{index}.log").read_text() for index in (0, 1)])
+
+
+def _run_workers(scenario, tmp_path):
+  out = str(tmp_path / (scenario + "-{index}.json"))
+  codes, logs = _launch([WORKER, scenario, out], scenario, tmp_path)
   results = []
-  for index, out in enumerate(outs):
-    if not out.exists():
-      tail = (tmp_path / f"{scenario}-{index}.log").read_text()[-3000:]
+  for index in (0, 1):
+    path = tmp_path / f"{scenario}-{index}.json"
+    if not path.exists():
       pytest.fail(f"worker {index} of {scenario!r} wrote nothing in "
-                  f"{TIMEOUT} s (exit {procs[index].returncode}):\n{tail}")
-    result = json.loads(out.read_text())
+                  f"{TIMEOUT} s (exit {codes[index]}):\n{logs[index][-3000:]}")
+    result = json.loads(path.read_text())
     assert "crash" not in result, result.get("crash")
     results.append(result)
   return results
@@ -144,3 +153,22 @@ def test_keras3_fit_is_refused_on_two_workers(tmp_path):
     assert result["error"] == "NotImplementedError"
     assert "private_step" in result["message"]
     assert "tf_keras" in result["message"]
+
+
+def test_multi_worker_example_runs_on_two_workers(tmp_path):
+  # examples/multi_worker.py as written, two processes: both report the
+  # same (globally reduced) losses, learn, and state ε for the global batch.
+  # 150 steps: about 100 s on 2 busy cores, hence the longer limit.
+  codes, logs = _launch([os.path.join(ROOT, "examples", "multi_worker.py")],
+                        "example", tmp_path, timeout=2 * TIMEOUT)
+  assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+  def lines(log, prefix):
+    return [l for l in log.splitlines() if l.startswith(prefix)]
+  losses = [lines(log, "epoch ") for log in logs]
+  assert len(losses[0]) == 15 and losses[0] == losses[1]
+  first, last = (float(losses[0][i].split()[-1]) for i in (0, -1))
+  assert last < 0.5 * first
+  for log in logs:
+    accuracy = float(lines(log, "Test accuracy:")[0].split()[-1])
+    assert accuracy > 0.7
+    assert "batch size B = 150" in log and "steps = 150" in log
