@@ -89,9 +89,8 @@ def test_unsupported_strategies_and_combinations_are_refused():
 
 
 def _custom_loop(strategy=None, steps=2):
-  """DPAdamBC through tf_dpadambc.keras.distributed.private_step in a
+  """DPAdamBC through tf_dpadambc.private_step in a
   custom loop (under ``strategy.run`` when given), global batches of 16."""
-  from tf_dpadambc.keras import distributed  # pylint: disable=g-import-not-at-top
   scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
   with scope:
     keras.utils.set_random_seed(1)
@@ -101,11 +100,11 @@ def _custom_loop(strategy=None, steps=2):
     optimizer = tf_dpadambc.DPAdamBC(1.0, 1.0, seed=3, learning_rate=1e-2)
     model.compile(optimizer=optimizer, loss=LOSS)
   if strategy is None:
-    step = tf.function(lambda batch: distributed.private_step(model, batch))
+    step = tf.function(lambda batch: tf_dpadambc.private_step(model, batch))
     batches = [(X[s:s + 16], Y[s:s + 16]) for s in range(0, 16 * steps, 16)]
   else:
     step = tf.function(lambda batch: strategy.reduce(
-        "MEAN", strategy.run(distributed.private_step, args=(model, batch)),
+        "MEAN", strategy.run(tf_dpadambc.private_step, args=(model, batch)),
         axis=None))
     batches = strategy.experimental_distribute_dataset(
         tf.data.Dataset.from_tensor_slices((X[:16 * steps], Y[:16 * steps]))
@@ -132,16 +131,15 @@ def test_custom_loop_private_step_equals_fit():
 
 
 def test_private_step_refuses_cross_replica_context_and_other_optimizers():
-  from tf_dpadambc.keras import distributed  # pylint: disable=g-import-not-at-top
   strategy = tf.distribute.MirroredStrategy(DEVICES)
   with strategy.scope():
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2)])
     model.compile(optimizer=tf_dpadambc.DPSGD(1.0, 1.0), loss=LOSS)
     with pytest.raises(RuntimeError, match="strategy.run"):
-      distributed.private_step(model, (X[:8], Y[:8]))
+      tf_dpadambc.private_step(model, (X[:8], Y[:8]))
   model.compile(optimizer="sgd", loss=LOSS)
   with pytest.raises(TypeError, match="tf_dpadambc Keras 3 optimizer"):
-    distributed.private_step(model, (X[:8], Y[:8]))
+    tf_dpadambc.private_step(model, (X[:8], Y[:8]))
 
 
 def test_tf_keras_fit_on_two_replicas_equals_one_device():
@@ -157,8 +155,9 @@ def test_tf_keras_fit_on_two_replicas_equals_one_device():
     with scope:
       tf_keras.utils.set_random_seed(1)
       if zeros:
-        model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(
-            5000, use_bias=False, kernel_initializer="zeros")])
+        model = tf_keras.Sequential([
+            tf_keras.Input((4,)), tf_keras.layers.Dense(
+                5000, use_bias=False, kernel_initializer="zeros")])
         optimizer = tf_dpadambc.tf_keras.DPSGD(1.0, 2.0, learning_rate=1.0)
         model.compile(optimizer=optimizer,
                       loss=tf_keras.losses.MeanSquaredError(reduction=none))

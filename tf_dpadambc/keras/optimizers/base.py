@@ -385,10 +385,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     else:
       self._query_variables = []
 
-    # The secret seed, in a variable so that a step can renew it. Under
-    # several synchronous replicas, MultiWorkerMirroredStrategy initializes
-    # variables by broadcast from worker 0, so every worker draws the same
-    # (once-global) noise even though each drew its own OS seed.
+    # The secret seed, in a variable so that a step can renew it. Each
+    # process draws its own OS seed; under several workers every replicated
+    # release first agrees on worker 0's (keras.replicas.release), so all
+    # workers draw the same once-global noise.
     self._keep_unsaved("_seed_variable", self._unsaved_variable(
         (2,), "dp_noise_seed", "int64",
         keras.initializers.Constant(self._seed_pair)))
