@@ -1,6 +1,7 @@
 """Keras 3 adapters over the functional core."""
 from tf_dpadambc.keras.optimizers import *  # noqa: F401,F403
 from tf_dpadambc.keras.optimizers import __all__ as _OPTIMIZERS
+from tf_dpadambc.keras.distributed import private_step
 from tf_dpadambc.keras.ghost import ClippingPlan
 from tf_dpadambc.keras.rules import GhostRule
 from tf_dpadambc.keras.rules import gradient_term
@@ -14,4 +15,5 @@ from tf_dpadambc.keras.training import private_gradient_sum
 __all__ = list(_OPTIMIZERS) + ["ClippingPlan", "GhostRule", "clipping_plan",
                                "gradient_term", "is_private",
                                "linear_term", "make_private",
-                               "private_gradient_sum", "register_ghost_rule"]
+                               "private_gradient_sum", "private_step",
+                               "register_ghost_rule"]

@@ -30,6 +30,7 @@ from tf_dpadambc.core import diagnostics as core_diagnostics
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
 from tf_dpadambc.keras import ghost
+from tf_dpadambc.keras import replicas
 from tf_dpadambc.keras import validation
 from tf_dpadambc.keras.optimizers import base
 
@@ -521,9 +522,8 @@ def _private_stage(model, optimizer, x, y, sample_weight, batch_size,
   result = _unless(consistent, result)
   num_units = tf.shape(unit_losses)[0]
   if replicated:
-    tf.distribute.get_replica_context().merge_call(
-        _apply_across_replicas, args=(optimizer, result, num_units,
-                                      batch_size, model.trainable_variables))
+    replicas.release(optimizer, result, num_units, batch_size,
+                     model.trainable_variables)
   else:
     optimizer.apply_private(result, num_units, batch_size,
                             model.trainable_variables)
@@ -592,24 +592,6 @@ def _check_strategy(strategy, optimizer):
         f"{type(strategy).__name__} with {strategy.num_replicas_in_sync} "
         "replicas yet: train on one device (no strategy scope).")
   return True
-
-
-def _apply_across_replicas(strategy, optimizer, result, num_units,
-                           num_examples, variables):
-  """Cross-replica: Σ over replicas of the clipped sums and counts, then
-  one private release (noise drawn once: total std σC, not σC per replica).
-
-  Each replica clipped its own examples, so the reduced sum is exactly the
-  single-device Σ_u clip(g_u); the optimizer sees one logical batch.
-  """
-  def total(value):
-    return strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-
-  optimizer.apply_private(
-      [total(g) for g in result.grads], total(num_units), total(num_examples),
-      variables,
-      clipped_square_sum=(None if result.square_grads is None else
-                          [total(g) for g in result.square_grads]))
 
 
 def _unless(consistent, result):
@@ -806,6 +788,7 @@ def make_private(model, clipping="auto", loss_scale=None):
     _compat.reset_metrics_too(
         model, record.metrics + tuple(record.diagnostics.values()))
     _checked_train_function(model)
+    replicas.refuse_fit_across_workers(model)
     ledger.track_fit(model)  # epochs and their batches, for the accounting
     record.private = True
   object.__setattr__(model, "train_step",

@@ -54,9 +54,12 @@ import tensorflow as tf
 import tf_keras
 
 from tf_dpadambc.core import clipping
+from tf_dpadambc.core import ghost
 from tf_dpadambc.core import graph
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import optimizers as keras3_optimizers
+from tf_dpadambc.keras import replicas
+from tf_dpadambc.keras import training as keras3_training
 from tf_dpadambc.keras.optimizers import base
 from tf_dpadambc.tf_keras import _compat
 
@@ -206,8 +209,11 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
   training mode found in the graph of the loss.
 
   Not supported (they raise): ``apply_gradients`` (aggregated gradients),
-  mixed-precision loss scaling (it calls ``apply_gradients``), and
-  ``tf.distribute`` with more than one replica.
+  mixed-precision loss scaling (it calls ``apply_gradients``), and under
+  several replicas (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``)
+  a DPQuery, a public preconditioner or correlated noise. Under several
+  replicas each replica clips its own units and the noise is drawn once per
+  step for all of them (``keras.replicas.release``).
 
   The inner optimizer is :attr:`keras_optimizer`; its accounting is
   forwarded (``dp_event``, ``steps_taken``, ``logical_batch_size``,
@@ -286,11 +292,11 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
 
   # -------------------------------------------------------------- state
   def build(self, var_list):
-    """Builds the inner optimizer's variables, outside any traced function."""
+    """Builds the inner optimizer's variables, outside any traced function
+    (in the strategy's scope: see ``keras.replicas.build``)."""
     if self._inner.built:
       return
-    with tf.init_scope():
-      self._inner.build(list(var_list))
+    replicas.build(self._inner, list(var_list))
     self._track_inner_state()
 
   def _track_inner_state(self):
@@ -354,7 +360,7 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     if loss.shape.rank == 0:
       raise ValueError(_SCALAR_LOSS_ERROR.format(name=name))
     self._check_model(var_list, loss)
-    self._check_replicas()
+    replicated = self._replicated()
     self.build(var_list)
 
     with tape:  # the reduction to units must be on the tape too
@@ -366,8 +372,8 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     # A refused step (keep False) adds exactly zero: noise only is released.
     mask = None if keep is None else tf.fill([num_units], keep)
     # Clipped with the inner clip_spec (or fed to its DPQuery), then noised.
-    self._inner.apply_per_unit(per_unit, num_units, tf.shape(examples)[0],
-                               var_list, unit_mask=mask)
+    self._apply_per_unit(per_unit, num_units, tf.shape(examples)[0],
+                         var_list, mask, replicated)
     if keep is not None and tf.executing_eagerly():
       self._raise_if_refused()
 
@@ -404,7 +410,7 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
       var_list = var_list()
     var_list = list(var_list)
     self._check_model(var_list, None)
-    self._check_replicas()
+    replicated = self._replicated()
     self.build(var_list)
     model = _compat.calling_model(self, var_list)
     num_microbatches = self._inner.num_microbatches
@@ -423,17 +429,29 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
           ("minimize_per_unit", loss_fn, num_microbatches, *var_list),
           compute)
     grads, losses = compute(data)
-    self._inner.apply_per_unit(grads, tf.shape(losses)[0], num_examples,
-                               var_list)
+    self._apply_per_unit(grads, tf.shape(losses)[0], num_examples, var_list,
+                         None, replicated)
     return losses
 
-  def _check_replicas(self):
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1:
-      # Each replica would add its own noise and divide by its own batch.
-      raise NotImplementedError(
-          f"Private training under a tf.distribute strategy with {replicas} "
-          "replicas is not supported: train on one device.")
+  def _replicated(self):
+    """True under several synchronous replicas; refuses the strategies and
+    options whose noise could not be added once (as Keras 3's step does)."""
+    return keras3_training._check_strategy(  # pylint: disable=protected-access
+        tf.distribute.get_strategy(), self._inner)
+
+  def _apply_per_unit(self, per_unit, num_units, num_examples, var_list,
+                      unit_mask, replicated):
+    """Clips and sums this replica's units; one private release per step:
+    here (one replica), or of all replicas' sums (``keras.replicas.release``:
+    global Σ clip_C(g_u), noise σC drawn once, divided by the global count)."""
+    if not replicated:
+      self._inner.apply_per_unit(per_unit, num_units, num_examples, var_list,
+                                 unit_mask=unit_mask)
+      return
+    result = clipping.materialized_clipped_sum(
+        [g if unit_mask is None else ghost.masked(g, unit_mask)
+         for g in per_unit], self._inner.clip_spec(var_list))
+    replicas.release(self._inner, result, num_units, num_examples, var_list)
 
   def _unit_losses(self, examples):
     """[B] per-example losses -> [U] unit losses (microbatch means)."""

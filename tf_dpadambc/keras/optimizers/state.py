@@ -101,10 +101,10 @@ class PrivateState:
         for stream in streams}
 
   def build_seed(self):
-    # In a variable so that a step can renew it. Under several synchronous
-    # replicas, MultiWorkerMirroredStrategy initializes variables by
-    # broadcast from worker 0, so every worker draws the same (once-global)
-    # noise even though each drew its own OS seed.
+    # In a variable so that a step can renew it. Each process draws its own
+    # OS seed; under several workers every replicated release first agrees
+    # on worker 0's (keras.replicas.release), so all workers draw the same
+    # once-global noise.
     self.seed_variable = self.variable(
         (2,), "dp_noise_seed", "int64",
         keras.initializers.Constant(self.seed_pair))
