@@ -238,27 +238,44 @@ def _segments(ids, delta, vocab_size):
 _MAX_COUNTERS = 1 << 24
 
 
-def _one_row_per_unit(delta64):
+def _one_row_per_unit(delta):
   """(all, g [U, d], nonzero [U, T]): ``all`` is True when every unit's
   non-zero δ rows are one and the same row g_u (exactly: the gradient of a
-  mean or sum pooling right after the lookup, padding positions zero)."""
-  nonzero = tf.reduce_any(delta64 != 0, axis=2)
-  first = tf.argmax(tf.cast(nonzero, tf.int32), axis=1, output_type=tf.int32)
-  g = tf.gather(delta64, first, batch_dims=1)
-  same = (delta64 == g[:, None]) | ~nonzero[:, :, None]
-  return tf.reduce_all(same), g, nonzero
+  mean or sum pooling right after the lookup, padding positions zero).
+
+  Compared in δ's own dtype: casting to float64 is exact and injective, so
+  the comparisons are those of the float64 values, without the copy."""
+  # (int32 max-reductions: XLA reduces booleans and argmax far slower on
+  # the CPU)
+  flag = lambda b: tf.where(b, 1, 0)
+  nonzero = tf.reduce_max(flag(delta != 0), axis=2) > 0
+  length = tf.shape(delta)[1]
+  first = length - tf.reduce_max(flag(nonzero) * (length - tf.range(length)),
+                                 axis=1)  # length where every row is zero
+  g = tf.gather(delta, tf.minimum(first, length - 1), batch_dims=1)
+  other = flag((delta != g[:, None]) & nonzero[:, :, None])
+  return tf.equal(tf.reduce_max(other), 0), g, nonzero
 
 
 def _pooled_sq_norms(ids, g, nonzero, vocab_size):
-  """‖∇E_u‖² = ‖g_u‖² Σ_v n_uv² when unit u's non-zero rows all equal g_u
-  (n_uv: its non-zero positions with id v), by counting: no sort."""
+  """(‖∇E_u‖², bound) when unit u's non-zero rows all equal g_u: its
+  gradient has rows n_uv·g_u (n_uv: its non-zero positions with id v), so
+  ‖∇E_u‖² = ‖g_u‖² Σ_v n_uv², by counting: no sort.
+
+  Σ_v n_uv² = Σ_{t non-zero} n_{u,id_t} (token v is met n_uv times, each
+  time counting n_uv): int32 counters (exact, ≤ T), gathered back at the
+  unit's own positions, summed in float64 (exact integers). The bound
+  Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of non-zero positions)."""
   num_units = tf.shape(ids)[0]
   keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
           + tf.range(num_units)[:, None] * vocab_size)
   counts = tf.math.unsorted_segment_sum(
-      tf.cast(nonzero, tf.float64), keys, num_units * vocab_size)
-  pairs = tf.reduce_sum(tf.square(tf.reshape(counts, [num_units, -1])), 1)
-  return sum_squares(g) * pairs
+      tf.cast(nonzero, tf.int32), keys, num_units * vocab_size)
+  mine = tf.where(nonzero, tf.gather(counts, keys), 0)
+  pairs = tf.reduce_sum(tf.cast(mine, tf.float64), 1)
+  g_sq = sum_squares(g)
+  present = tf.reduce_sum(tf.cast(nonzero, tf.float64), 1)
+  return g_sq * pairs, tf.sqrt(g_sq) * present
 
 
 def _sorted_sq_norms(ids, delta64, vocab_size, scale):
@@ -269,6 +286,14 @@ def _sorted_sq_norms(ids, delta64, vocab_size, scale):
   # Slots are laid out unit by unit, T per unit.
   return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
                                   tf.shape(ids)[:2]), 1)
+
+
+def _sorted_with_bound(ids, delta, vocab_size, scale):
+  delta64 = tf.cast(delta, tf.float64)
+  bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
+  if scale is not None:
+    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+  return _sorted_sq_norms(ids, delta64, vocab_size, scale), bound
 
 
 def embedding_sq_norms(ids, delta, vocab_size, scale=None):
@@ -282,21 +307,19 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   the values, as after a mean or sum pooling of the embeddings — the rows
   are n_uv·g_u and ‖∇E_u‖² = ‖g_u‖²·Σ_v n_uv²: token counts replace the
   sort (XLA's comparator sort dominates an embedding bag's step on the CPU).
+  Either way in float64 and :func:`guarded` by Σ_t ‖δ_t‖.
   """
-  delta64 = tf.cast(delta, tf.float64)
-  sorted_sq = lambda: _sorted_sq_norms(ids, delta64, vocab_size, scale)
+  delta = tf.convert_to_tensor(delta)
+  sorted_sq = lambda: _sorted_with_bound(ids, delta, vocab_size, scale)
   if scale is None and (ids.shape[0] is None
                         or ids.shape[0] * vocab_size <= _MAX_COUNTERS):
-    pooled, g, nonzero = _one_row_per_unit(delta64)
+    pooled, g, nonzero = _one_row_per_unit(delta)
     fits = tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS
-    sq = tf.cond(pooled & fits,
-                 lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
-                 sorted_sq)
+    sq, bound = tf.cond(pooled & fits,
+                        lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+                        sorted_sq)
   else:
-    sq = sorted_sq()
-  bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
-  if scale is not None:
-    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+    sq, bound = sorted_sq()
   return guarded(sq, bound, (ids.shape[1] or 1024) + (delta.shape[2] or 0))
 
 
