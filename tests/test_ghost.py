@@ -536,9 +536,15 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit):
   pooled[1] = 0.0      # a unit with no gradient at all
   general = pooled.copy()
   general[2, 3, 0] *= 1 + 2 ** -20  # one row differs: the sorted path
+  # ... in another feature than the first: the first column passes the
+  # cheap pre-check, the full comparison sends it to the sorted path.
+  later = pooled.copy()
+  later[2, 3, 2] *= 1 + 2 ** -20
+  signed_zero = pooled.copy()
+  signed_zero[3, 9:] = -0.0  # padding rows of -0.0 are zero rows
   norms = tf.function(
       lambda i, d: ghost.embedding_sq_norms(i, d, vocab), jit_compile=jit)
-  for delta in (pooled, general):
+  for delta in (pooled, general, later, signed_zero):
     np.testing.assert_allclose(
         norms(tf.constant(ids), tf.constant(delta, tf.float32)).numpy(),
         _embedding_sq_norms_reference(ids, delta.astype(np.float32), vocab),

@@ -25,6 +25,8 @@ Scale-then-privatize clips s ⊙ ∇W_u; for T = 1 the norm stays a product:
 ‖s ⊙ (a_u δ_uᵀ)‖² = (a_u⊙a_u)ᵀ (s⊙s) (δ_u⊙δ_u) (Ganesh et al. 2025); for T > 1
 the per-unit gradients are materialized.
 """
+import math
+
 import tensorflow as tf
 
 
@@ -257,6 +259,21 @@ def _one_row_per_unit(delta):
   return tf.equal(tf.reduce_max(other), 0), g, nonzero
 
 
+def _may_be_one_row_per_unit(delta):
+  """False where :func:`_one_row_per_unit` would be: some unit has two
+  different non-zero values in its first feature column (a pooled unit's
+  rows are 0 or g_u). Reads one column: the full check is skipped for
+  models whose δ rows differ (a transformer's embedding)."""
+  column = delta[:, :, 0]
+  nonzero = column != 0
+  big = tf.reduce_max(tf.where(nonzero, column, -math.inf), axis=1)
+  small = tf.reduce_min(tf.where(nonzero, column, math.inf), axis=1)
+  # Necessary, not sufficient: a pooled unit's non-zero values in the
+  # column are all g_u[0] (none where g_u[0] = 0: −inf vs inf passes).
+  # Whatever passes (NaN included) goes through the full check.
+  return tf.reduce_all(tf.logical_not(big > small))
+
+
 def _pooled_sq_norms(ids, g, nonzero, vocab_size):
   """(‖∇E_u‖², bound) when unit u's non-zero rows all equal g_u: its
   gradient has rows n_uv·g_u (n_uv: its non-zero positions with id v), so
@@ -313,10 +330,13 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   sorted_sq = lambda: _sorted_with_bound(ids, delta, vocab_size, scale)
   if scale is None and (ids.shape[0] is None
                         or ids.shape[0] * vocab_size <= _MAX_COUNTERS):
-    pooled, g, nonzero = _one_row_per_unit(delta)
+    def counted():
+      pooled, g, nonzero = _one_row_per_unit(delta)
+      return tf.cond(pooled,
+                     lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+                     sorted_sq)
     fits = tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS
-    sq, bound = tf.cond(pooled & fits,
-                        lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+    sq, bound = tf.cond(fits & _may_be_one_row_per_unit(delta), counted,
                         sorted_sq)
   else:
     sq, bound = sorted_sq()
