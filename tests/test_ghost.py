@@ -590,3 +590,28 @@ def test_conv_grad_by_patches_equals_the_filter_backprop(kernel, strides,
     got = tf.function(ghost.conv_grad, jit_compile=jit)(*args)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_conv_patches_by_slices_equal_extract_patches_bitwise(jit):
+  """The patches the conv rules use (strided slices; rows then columns for
+  few channels) are tf.image.extract_patches' values in its order."""
+  rng = np.random.default_rng(8)
+  configs = [((28, 28, 1), (8, 8), (2, 2), (1, 1), "same"),
+             ((13, 13, 16), (4, 4), (2, 2), (1, 1), "valid"),
+             ((15, 15, 32), (3, 3), (1, 1), (1, 1), "same"),
+             ((9, 8, 3), (3, 2), (2, 1), (1, 1), "same"),
+             ((9, 8, 3), (2, 2), (1, 1), (2, 2), "same"),
+             ((9, 8, 20), (3, 3), (1, 1), (2, 1), "valid"),
+             ((1, 7, 2), (1, 3), (1, 2), (1, 1), "same"),
+             ((4, 4, 2), (5, 5), (1, 1), (1, 1), "same"),
+             ((4, 4, 2), (3, 3), (3, 3), (1, 1), "same")]
+  for shape, kernel, strides, dilation, padding in configs:
+    x = tf.constant(rng.normal(size=(3, *shape)).astype("float32"))
+    want = tf.image.extract_patches(
+        x, [1, *kernel, 1], [1, *strides, 1], [1, *dilation, 1],
+        padding.upper()).numpy()
+    got = tf.function(lambda t: ghost._patches_by_slices(  # pylint: disable=protected-access
+        t, kernel, strides, padding, dilation), jit_compile=jit)(x).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

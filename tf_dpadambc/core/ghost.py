@@ -378,12 +378,56 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
     kernel_size, strides, dilation_rate = ((1,) + tuple(kernel_size),
                                            (1,) + tuple(strides),
                                            (1,) + tuple(dilation_rate))
-  patches = tf.image.extract_patches(
-      x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
-      rates=[1, *dilation_rate, 1], padding=padding.upper())
+  if x.shape[1:].is_fully_defined():
+    patches = _patches_by_slices(x, kernel_size, strides, padding,
+                                 dilation_rate)
+  else:
+    patches = tf.image.extract_patches(
+        x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
+        rates=[1, *dilation_rate, 1], padding=padding.upper())
   positions = (patches.shape[1] * patches.shape[2]
                if patches.shape[1:3].is_fully_defined() else -1)
   return tf.reshape(patches, [tf.shape(x)[0], positions, patches.shape[-1]])
+
+
+def _patches_by_slices(x, kernel_size, strides, padding, dilation_rate):
+  """``tf.image.extract_patches`` of a 2-D input of static shape, by one
+  strided slice per kernel offset, concatenated: the same values (zero
+  padding included) in the same order (offset-major, then channel); checked
+  bitwise against the op (tests/test_ghost.py).
+
+  Under XLA the op itself is lowered to a convolution with a one-hot filter
+  of (k_h·k_w·c)² entries — 8x8 patches of a 28x28 image took longer than
+  the layer's own forward and backward passes; slices only move the data.
+  """
+  (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation_rate
+  height, width = x.shape[1], x.shape[2]
+  def extent(size, k, stride, dilation):
+    span = (k - 1) * dilation + 1
+    if padding.lower() == "valid":
+      return max((size - span) // stride + 1, 0), 0, 0
+    out = -(-size // stride)  # SAME: ⌈size / stride⌉
+    total = max((out - 1) * stride + span - size, 0)
+    return out, total // 2, total - total // 2
+  out_h, top, bottom = extent(height, kh, sh, dh)
+  out_w, left, right = extent(width, kw, sw, dw)
+  if top or bottom or left or right:
+    x = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
+  if out_h == 0 or out_w == 0:
+    return tf.zeros([tf.shape(x)[0], out_h, out_w, kh * kw * x.shape[3]],
+                    x.dtype)
+  rows = lambda t, i: t[:, i * dh:i * dh + (out_h - 1) * sh + 1:sh]
+  cols = lambda t, j: t[:, :, j * dw:j * dw + (out_w - 1) * sw + 1:sw]
+  channels = x.shape[3]
+  if channels >= 16:  # one concatenation of k_h·k_w slices
+    pieces = [cols(rows(x, i), j) for i in range(kh) for j in range(kw)]
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=3)
+  # Few channels: a concatenation of k_h·k_w thin slices is slow under XLA
+  # (4x on 8x8 patches of one channel); rows, then columns, k_h and k_w
+  # operands each: [B, out_h, W, k_h, c] -> [B, out_h, out_w, k_h, k_w, c].
+  by_rows = tf.stack([rows(x, i) for i in range(kh)], axis=3)
+  both = tf.stack([cols(by_rows, j) for j in range(kw)], axis=4)
+  return tf.reshape(both, [-1, out_h, out_w, kh * kw * channels])
 
 
 def _causal(x, kernel_size, padding, dilation_rate):
