@@ -134,6 +134,62 @@ def unit_linear_grads(a, delta):
                    tf.cast(delta, tf.float64))
 
 
+def materializes_both(positions, fan_in, fan_out):
+  """True where :func:`linear_sq_norms` and :func:`linear_grad` would both
+  use the per-unit gradients (T > 1 static and 2T² ≥ pd): a rule can then
+  compute them once, in float32 (:func:`shared_unit_grads`)."""
+  return positions is not None and positions > 1 and not prefer_ghost(
+      positions, fan_in, fan_out)
+
+
+def shared_unit_grads(a, delta):
+  """ĝ_u = fl(A_uᵀΔ_u) in float32 (float64 inputs stay float64), [U, p, d],
+  for a caller that takes BOTH the unit's norm (:func:`shared_sq_norms`) and
+  its share of the sum (:func:`shared_grad`, :func:`shared_square_sum`)
+  from this one tensor.
+
+  Why float32 is safe here, where the book-kept sums need float64: unit u
+  adds c_u·ĝ_u, and c_u is computed from ‖ĝ_u‖ itself (its squares summed in
+  float64; or from a larger bound, see :func:`guarded`), so ‖c_u ĝ_u‖ ≤ C
+  whatever the rounding of ĝ_u: rows that nearly cancel make ĝ_u inexact
+  (by at most ≈T·2⁻²⁴·Σ_t‖a_t‖‖δ_t‖), never larger than its own clip. Each
+  block ĝ_u is a function of unit u's a and δ only (a batched product).
+  The caller must use the one tensor for both (one graph node: computed
+  once, with or without XLA); recomputing it could round differently.
+  """
+  dtype = tf.float64 if a.dtype == tf.float64 else tf.float32
+  return tf.einsum("utp,utd->upd", tf.cast(a, dtype), tf.cast(delta, dtype))
+
+
+def shared_sq_norms(grads, a, delta, scale=None):
+  """‖ĝ_u‖² (or ‖s ⊙ ĝ_u‖²) of :func:`shared_unit_grads`, in float64,
+  :func:`guarded` by Σ_t ‖a_t‖‖δ_t‖ (never below ‖ĝ_u‖: the guard only
+  replaces a value smaller than the bound by the bound)."""
+  positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
+  bound = tf.reduce_sum(_row_norms(a) * _row_norms(delta), axis=1)
+  grads = tf.cast(grads, tf.float64)
+  if scale is not None:
+    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+    grads *= tf.cast(scale, tf.float64)
+  terms = positions ** 2 + (fan_in or 0) + (fan_out or 0)
+  return guarded(sum_squares(grads), bound, terms)
+
+
+def shared_grad(grads, weights, dtype=tf.float32):
+  """Σ_u w_u ĝ_u of :func:`shared_unit_grads`, summed in float64 (0 where
+  w_u = 0), returned in ``dtype``."""
+  return tf.cast(weighted_sum(tf.cast(grads, tf.float64),
+                              tf.cast(weights, tf.float64)), dtype)
+
+
+def shared_square_sum(grads, weights, dtype=tf.float32):
+  """Σ_u w_u² ĝ_u⊙ĝ_u of :func:`shared_unit_grads` (joint moment
+  estimation), in float64, returned in ``dtype``."""
+  grads = tf.cast(grads, tf.float64)
+  return tf.cast(weighted_sum(tf.square(grads),
+                              tf.square(tf.cast(weights, tf.float64))), dtype)
+
+
 def linear_grad(a, delta, weights):
   """Σ_u w_u A_uᵀΔ_u = Aᵀ(w ⊙ Δ): [U, T, p], [U, T, d], [U] -> [p, d].
 
