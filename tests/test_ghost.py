@@ -536,9 +536,15 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit):
   pooled[1] = 0.0      # a unit with no gradient at all
   general = pooled.copy()
   general[2, 3, 0] *= 1 + 2 ** -20  # one row differs: the sorted path
+  # ... in another feature than the first: the first column passes the
+  # cheap pre-check, the full comparison sends it to the sorted path.
+  later = pooled.copy()
+  later[2, 3, 2] *= 1 + 2 ** -20
+  signed_zero = pooled.copy()
+  signed_zero[3, 9:] = -0.0  # padding rows of -0.0 are zero rows
   norms = tf.function(
       lambda i, d: ghost.embedding_sq_norms(i, d, vocab), jit_compile=jit)
-  for delta in (pooled, general):
+  for delta in (pooled, general, later, signed_zero):
     np.testing.assert_allclose(
         norms(tf.constant(ids), tf.constant(delta, tf.float32)).numpy(),
         _embedding_sq_norms_reference(ids, delta.astype(np.float32), vocab),
@@ -584,3 +590,28 @@ def test_conv_grad_by_patches_equals_the_filter_backprop(kernel, strides,
     got = tf.function(ghost.conv_grad, jit_compile=jit)(*args)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_conv_patches_by_slices_equal_extract_patches_bitwise(jit):
+  """The patches the conv rules use (strided slices; rows then columns for
+  few channels) are tf.image.extract_patches' values in its order."""
+  rng = np.random.default_rng(8)
+  configs = [((28, 28, 1), (8, 8), (2, 2), (1, 1), "same"),
+             ((13, 13, 16), (4, 4), (2, 2), (1, 1), "valid"),
+             ((15, 15, 32), (3, 3), (1, 1), (1, 1), "same"),
+             ((9, 8, 3), (3, 2), (2, 1), (1, 1), "same"),
+             ((9, 8, 3), (2, 2), (1, 1), (2, 2), "same"),
+             ((9, 8, 20), (3, 3), (1, 1), (2, 1), "valid"),
+             ((1, 7, 2), (1, 3), (1, 2), (1, 1), "same"),
+             ((4, 4, 2), (5, 5), (1, 1), (1, 1), "same"),
+             ((4, 4, 2), (3, 3), (3, 3), (1, 1), "same")]
+  for shape, kernel, strides, dilation, padding in configs:
+    x = tf.constant(rng.normal(size=(3, *shape)).astype("float32"))
+    want = tf.image.extract_patches(
+        x, [1, *kernel, 1], [1, *strides, 1], [1, *dilation, 1],
+        padding.upper()).numpy()
+    got = tf.function(lambda t: ghost._patches_by_slices(  # pylint: disable=protected-access
+        t, kernel, strides, padding, dilation), jit_compile=jit)(x).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)

@@ -67,6 +67,30 @@ def test_rows_that_nearly_cancel_do_not_shrink_the_norm(scale, k):
   assert _moved(model, x, y, 0) <= C * TOL
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("layer", ["dense", "conv"])
+@pytest.mark.parametrize("scale,k", [(1e6, 14), (1e12, 20)])
+def test_rows_that_nearly_cancel_in_a_materialized_layer(jit, layer, scale, k):
+  # 16 positions of a 4 -> 4 layer (2T² ≥ pd): the per-unit gradients are
+  # materialized once in float32 and shared by the norm and the sum, so
+  # however they round, the unit adds at most C.
+  keras.utils.set_random_seed(0)
+  first = (keras.layers.Dense(4) if layer == "dense"
+           else keras.layers.Conv1D(4, 1))
+  model = keras.Sequential([keras.Input((16, 4)), first,
+                            keras.layers.GlobalAveragePooling1D(),
+                            keras.layers.Dense(1)])
+  model.compile(loss="mse")
+  assert ghost.materializes_both(16, 4, 4)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(8, 16, 4)).astype("float32")
+  y = rng.normal(size=(8, 1)).astype("float32")
+  v = np.sign(rng.normal(size=4)).astype("float32")
+  x[0, :8], x[0, 8:] = scale * v, -(1 + 2.0 ** -k) * scale * v
+  y[0] = 1e6
+  assert _moved(model, x, y, 0, jit=jit) <= C * TOL
+
+
 def test_token_ids_past_the_table_count_as_the_rows_they_read():
   # Under XLA a lookup clamps ids; with an unknown sequence length the norm
   # used int64 keys (ids 7 + k·2³² were distinct rows) but the sum int32

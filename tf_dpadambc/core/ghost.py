@@ -25,6 +25,8 @@ Scale-then-privatize clips s ⊙ ∇W_u; for T = 1 the norm stays a product:
 ‖s ⊙ (a_u δ_uᵀ)‖² = (a_u⊙a_u)ᵀ (s⊙s) (δ_u⊙δ_u) (Ganesh et al. 2025); for T > 1
 the per-unit gradients are materialized.
 """
+import math
+
 import tensorflow as tf
 
 
@@ -130,6 +132,62 @@ def unit_linear_grads(a, delta):
   Grappler) computes it once where both need it."""
   return tf.einsum("utp,utd->upd", tf.cast(a, tf.float64),
                    tf.cast(delta, tf.float64))
+
+
+def materializes_both(positions, fan_in, fan_out):
+  """True where :func:`linear_sq_norms` and :func:`linear_grad` would both
+  use the per-unit gradients (T > 1 static and 2T² ≥ pd): a rule can then
+  compute them once, in float32 (:func:`shared_unit_grads`)."""
+  return positions is not None and positions > 1 and not prefer_ghost(
+      positions, fan_in, fan_out)
+
+
+def shared_unit_grads(a, delta):
+  """ĝ_u = fl(A_uᵀΔ_u) in float32 (float64 inputs stay float64), [U, p, d],
+  for a caller that takes BOTH the unit's norm (:func:`shared_sq_norms`) and
+  its share of the sum (:func:`shared_grad`, :func:`shared_square_sum`)
+  from this one tensor.
+
+  Why float32 is safe here, where the book-kept sums need float64: unit u
+  adds c_u·ĝ_u, and c_u is computed from ‖ĝ_u‖ itself (its squares summed in
+  float64; or from a larger bound, see :func:`guarded`), so ‖c_u ĝ_u‖ ≤ C
+  whatever the rounding of ĝ_u: rows that nearly cancel make ĝ_u inexact
+  (by at most ≈T·2⁻²⁴·Σ_t‖a_t‖‖δ_t‖), never larger than its own clip. Each
+  block ĝ_u is a function of unit u's a and δ only (a batched product).
+  The caller must use the one tensor for both (one graph node: computed
+  once, with or without XLA); recomputing it could round differently.
+  """
+  dtype = tf.float64 if a.dtype == tf.float64 else tf.float32
+  return tf.einsum("utp,utd->upd", tf.cast(a, dtype), tf.cast(delta, dtype))
+
+
+def shared_sq_norms(grads, a, delta, scale=None):
+  """‖ĝ_u‖² (or ‖s ⊙ ĝ_u‖²) of :func:`shared_unit_grads`, in float64,
+  :func:`guarded` by Σ_t ‖a_t‖‖δ_t‖ (never below ‖ĝ_u‖: the guard only
+  replaces a value smaller than the bound by the bound)."""
+  positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
+  bound = tf.reduce_sum(_row_norms(a) * _row_norms(delta), axis=1)
+  grads = tf.cast(grads, tf.float64)
+  if scale is not None:
+    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+    grads *= tf.cast(scale, tf.float64)
+  terms = positions ** 2 + (fan_in or 0) + (fan_out or 0)
+  return guarded(sum_squares(grads), bound, terms)
+
+
+def shared_grad(grads, weights, dtype=tf.float32):
+  """Σ_u w_u ĝ_u of :func:`shared_unit_grads`, summed in float64 (0 where
+  w_u = 0), returned in ``dtype``."""
+  return tf.cast(weighted_sum(tf.cast(grads, tf.float64),
+                              tf.cast(weights, tf.float64)), dtype)
+
+
+def shared_square_sum(grads, weights, dtype=tf.float32):
+  """Σ_u w_u² ĝ_u⊙ĝ_u of :func:`shared_unit_grads` (joint moment
+  estimation), in float64, returned in ``dtype``."""
+  grads = tf.cast(grads, tf.float64)
+  return tf.cast(weighted_sum(tf.square(grads),
+                              tf.square(tf.cast(weights, tf.float64))), dtype)
 
 
 def linear_grad(a, delta, weights):
@@ -238,27 +296,59 @@ def _segments(ids, delta, vocab_size):
 _MAX_COUNTERS = 1 << 24
 
 
-def _one_row_per_unit(delta64):
+def _one_row_per_unit(delta):
   """(all, g [U, d], nonzero [U, T]): ``all`` is True when every unit's
   non-zero δ rows are one and the same row g_u (exactly: the gradient of a
-  mean or sum pooling right after the lookup, padding positions zero)."""
-  nonzero = tf.reduce_any(delta64 != 0, axis=2)
-  first = tf.argmax(tf.cast(nonzero, tf.int32), axis=1, output_type=tf.int32)
-  g = tf.gather(delta64, first, batch_dims=1)
-  same = (delta64 == g[:, None]) | ~nonzero[:, :, None]
-  return tf.reduce_all(same), g, nonzero
+  mean or sum pooling right after the lookup, padding positions zero).
+
+  Compared in δ's own dtype: casting to float64 is exact and injective, so
+  the comparisons are those of the float64 values, without the copy."""
+  # (int32 max-reductions: XLA reduces booleans and argmax far slower on
+  # the CPU)
+  flag = lambda b: tf.where(b, 1, 0)
+  nonzero = tf.reduce_max(flag(delta != 0), axis=2) > 0
+  length = tf.shape(delta)[1]
+  first = length - tf.reduce_max(flag(nonzero) * (length - tf.range(length)),
+                                 axis=1)  # length where every row is zero
+  g = tf.gather(delta, tf.minimum(first, length - 1), batch_dims=1)
+  other = flag((delta != g[:, None]) & nonzero[:, :, None])
+  return tf.equal(tf.reduce_max(other), 0), g, nonzero
+
+
+def _may_be_one_row_per_unit(delta):
+  """False where :func:`_one_row_per_unit` would be: some unit has two
+  different non-zero values in its first feature column (a pooled unit's
+  rows are 0 or g_u). Reads one column: the full check is skipped for
+  models whose δ rows differ (a transformer's embedding)."""
+  column = delta[:, :, 0]
+  nonzero = column != 0
+  big = tf.reduce_max(tf.where(nonzero, column, -math.inf), axis=1)
+  small = tf.reduce_min(tf.where(nonzero, column, math.inf), axis=1)
+  # Necessary, not sufficient: a pooled unit's non-zero values in the
+  # column are all g_u[0] (none where g_u[0] = 0: −inf vs inf passes).
+  # Whatever passes (NaN included) goes through the full check.
+  return tf.reduce_all(tf.logical_not(big > small))
 
 
 def _pooled_sq_norms(ids, g, nonzero, vocab_size):
-  """‖∇E_u‖² = ‖g_u‖² Σ_v n_uv² when unit u's non-zero rows all equal g_u
-  (n_uv: its non-zero positions with id v), by counting: no sort."""
+  """(‖∇E_u‖², bound) when unit u's non-zero rows all equal g_u: its
+  gradient has rows n_uv·g_u (n_uv: its non-zero positions with id v), so
+  ‖∇E_u‖² = ‖g_u‖² Σ_v n_uv², by counting: no sort.
+
+  Σ_v n_uv² = Σ_{t non-zero} n_{u,id_t} (token v is met n_uv times, each
+  time counting n_uv): int32 counters (exact, ≤ T), gathered back at the
+  unit's own positions, summed in float64 (exact integers). The bound
+  Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of non-zero positions)."""
   num_units = tf.shape(ids)[0]
   keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
           + tf.range(num_units)[:, None] * vocab_size)
   counts = tf.math.unsorted_segment_sum(
-      tf.cast(nonzero, tf.float64), keys, num_units * vocab_size)
-  pairs = tf.reduce_sum(tf.square(tf.reshape(counts, [num_units, -1])), 1)
-  return sum_squares(g) * pairs
+      tf.cast(nonzero, tf.int32), keys, num_units * vocab_size)
+  mine = tf.where(nonzero, tf.gather(counts, keys), 0)
+  pairs = tf.reduce_sum(tf.cast(mine, tf.float64), 1)
+  g_sq = sum_squares(g)
+  present = tf.reduce_sum(tf.cast(nonzero, tf.float64), 1)
+  return g_sq * pairs, tf.sqrt(g_sq) * present
 
 
 def _sorted_sq_norms(ids, delta64, vocab_size, scale):
@@ -269,6 +359,14 @@ def _sorted_sq_norms(ids, delta64, vocab_size, scale):
   # Slots are laid out unit by unit, T per unit.
   return tf.reduce_sum(tf.reshape(tf.reduce_sum(tf.square(sums), 1),
                                   tf.shape(ids)[:2]), 1)
+
+
+def _sorted_with_bound(ids, delta, vocab_size, scale):
+  delta64 = tf.cast(delta, tf.float64)
+  bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
+  if scale is not None:
+    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+  return _sorted_sq_norms(ids, delta64, vocab_size, scale), bound
 
 
 def embedding_sq_norms(ids, delta, vocab_size, scale=None):
@@ -282,21 +380,22 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   the values, as after a mean or sum pooling of the embeddings — the rows
   are n_uv·g_u and ‖∇E_u‖² = ‖g_u‖²·Σ_v n_uv²: token counts replace the
   sort (XLA's comparator sort dominates an embedding bag's step on the CPU).
+  Either way in float64 and :func:`guarded` by Σ_t ‖δ_t‖.
   """
-  delta64 = tf.cast(delta, tf.float64)
-  sorted_sq = lambda: _sorted_sq_norms(ids, delta64, vocab_size, scale)
+  delta = tf.convert_to_tensor(delta)
+  sorted_sq = lambda: _sorted_with_bound(ids, delta, vocab_size, scale)
   if scale is None and (ids.shape[0] is None
                         or ids.shape[0] * vocab_size <= _MAX_COUNTERS):
-    pooled, g, nonzero = _one_row_per_unit(delta64)
+    def counted():
+      pooled, g, nonzero = _one_row_per_unit(delta)
+      return tf.cond(pooled,
+                     lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+                     sorted_sq)
     fits = tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS
-    sq = tf.cond(pooled & fits,
-                 lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
-                 sorted_sq)
+    sq, bound = tf.cond(fits & _may_be_one_row_per_unit(delta), counted,
+                        sorted_sq)
   else:
-    sq = sorted_sq()
-  bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
-  if scale is not None:
-    bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
+    sq, bound = sorted_sq()
   return guarded(sq, bound, (ids.shape[1] or 1024) + (delta.shape[2] or 0))
 
 
@@ -335,12 +434,56 @@ def conv_patches(x, kernel_size, strides, padding, dilation_rate):
     kernel_size, strides, dilation_rate = ((1,) + tuple(kernel_size),
                                            (1,) + tuple(strides),
                                            (1,) + tuple(dilation_rate))
-  patches = tf.image.extract_patches(
-      x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
-      rates=[1, *dilation_rate, 1], padding=padding.upper())
+  if x.shape[1:].is_fully_defined():
+    patches = _patches_by_slices(x, kernel_size, strides, padding,
+                                 dilation_rate)
+  else:
+    patches = tf.image.extract_patches(
+        x, sizes=[1, *kernel_size, 1], strides=[1, *strides, 1],
+        rates=[1, *dilation_rate, 1], padding=padding.upper())
   positions = (patches.shape[1] * patches.shape[2]
                if patches.shape[1:3].is_fully_defined() else -1)
   return tf.reshape(patches, [tf.shape(x)[0], positions, patches.shape[-1]])
+
+
+def _patches_by_slices(x, kernel_size, strides, padding, dilation_rate):
+  """``tf.image.extract_patches`` of a 2-D input of static shape, by one
+  strided slice per kernel offset, concatenated: the same values (zero
+  padding included) in the same order (offset-major, then channel); checked
+  bitwise against the op (tests/test_ghost.py).
+
+  Under XLA the op itself is lowered to a convolution with a one-hot filter
+  of (k_h·k_w·c)² entries — 8x8 patches of a 28x28 image took longer than
+  the layer's own forward and backward passes; slices only move the data.
+  """
+  (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation_rate
+  height, width = x.shape[1], x.shape[2]
+  def extent(size, k, stride, dilation):
+    span = (k - 1) * dilation + 1
+    if padding.lower() == "valid":
+      return max((size - span) // stride + 1, 0), 0, 0
+    out = -(-size // stride)  # SAME: ⌈size / stride⌉
+    total = max((out - 1) * stride + span - size, 0)
+    return out, total // 2, total - total // 2
+  out_h, top, bottom = extent(height, kh, sh, dh)
+  out_w, left, right = extent(width, kw, sw, dw)
+  if top or bottom or left or right:
+    x = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
+  if out_h == 0 or out_w == 0:
+    return tf.zeros([tf.shape(x)[0], out_h, out_w, kh * kw * x.shape[3]],
+                    x.dtype)
+  rows = lambda t, i: t[:, i * dh:i * dh + (out_h - 1) * sh + 1:sh]
+  cols = lambda t, j: t[:, :, j * dw:j * dw + (out_w - 1) * sw + 1:sw]
+  channels = x.shape[3]
+  if channels >= 16:  # one concatenation of k_h·k_w slices
+    pieces = [cols(rows(x, i), j) for i in range(kh) for j in range(kw)]
+    return pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=3)
+  # Few channels: a concatenation of k_h·k_w thin slices is slow under XLA
+  # (4x on 8x8 patches of one channel); rows, then columns, k_h and k_w
+  # operands each: [B, out_h, W, k_h, c] -> [B, out_h, out_w, k_h, k_w, c].
+  by_rows = tf.stack([rows(x, i) for i in range(kh)], axis=3)
+  both = tf.stack([cols(by_rows, j) for j in range(kw)], axis=4)
+  return tf.reshape(both, [-1, out_h, out_w, kh * kw * channels])
 
 
 def _causal(x, kernel_size, padding, dilation_rate):

@@ -17,6 +17,7 @@ class Linear(base.Rule):
     super().__init__(layer)
     self.variables = [layer.kernel] + (
         [layer.bias] if base.has_bias(layer) else [])
+    self._cache = None
 
   def features(self, inputs, delta):
     """(a [N, T, p], δ [N, T, d]) of one call's merged rows: the two sides
@@ -44,10 +45,23 @@ class Linear(base.Rule):
   def flat_kernel(self, t):
     return tf.reshape(t, [-1, t.shape[-1]])
 
+  def _shared(self, deltas):
+    """(a, δ, ĝ): ĝ the float32 per-unit kernel gradients where the norms
+    and the sums both materialize them (``ghost.materializes_both``), else
+    None. One tensor per step for the norms and the sums: ghost.
+    shared_unit_grads explains why float32 is then private."""
+    if self._cache is None or self._cache[0] is not deltas:
+      a, d = self._ad(deltas)
+      grads = (ghost.shared_unit_grads(a, d) if ghost.materializes_both(
+          a.shape[1], a.shape[2], d.shape[2]) else None)
+      self._cache = deltas, a, d, grads
+    return self._cache[1:]
+
   def sq_norms(self, deltas, scales):
-    a, d = self._ad(deltas)
+    a, d, shared = self._shared(deltas)
     scale = None if scales[0] is None else self.flat_kernel(scales[0])
-    norms = [ghost.linear_sq_norms(a, d, scale)]
+    norms = [ghost.linear_sq_norms(a, d, scale) if shared is None
+             else ghost.shared_sq_norms(shared, a, d, scale)]
     if len(self.variables) > 1:
       g = self._unit_bias_grads(deltas)
       if scales[1] is not None:
@@ -56,8 +70,11 @@ class Linear(base.Rule):
     return norms
 
   def kernel_sum(self, deltas, weights):
-    """Σ_u w_u ∇K_u, book-kept from (a, δ)."""
-    a, d = self._ad(deltas)
+    """Σ_u w_u ∇K_u, book-kept from (a, δ) or from the shared ĝ."""
+    a, d, shared = self._shared(deltas)
+    if shared is not None:
+      return self.kernel_shape_grad(ghost.shared_grad(shared, weights,
+                                                      a.dtype))
     return self.kernel_shape_grad(ghost.linear_grad(a, d, weights))
 
   def grads(self, deltas, weights):
@@ -68,9 +85,10 @@ class Linear(base.Rule):
     return grads
 
   def square_sums(self, deltas, weights):
-    a, d = self._ad(deltas)
+    a, d, shared = self._shared(deltas)
     squares = [self.kernel_shape_grad(
-        ghost.linear_square_sum(a, d, weights[0]))]
+        ghost.linear_square_sum(a, d, weights[0]) if shared is None
+        else ghost.shared_square_sum(shared, weights[0], a.dtype))]
     if len(self.variables) > 1:
       squares.append(ghost.weighted_sum(tf.square(
           self._unit_bias_grads(deltas)), tf.square(weights[1])))
@@ -109,8 +127,12 @@ class Conv(Linear):
     return a, base.flatten_positions(delta)
 
   def kernel_sum(self, deltas, weights):
-    # By the convolution's own filter-gradient op: no patches. A unit's
-    # weight is repeated for each of its rows.
+    # Book-kept from the patches (ghost.conv_grad); or the shared per-unit
+    # gradients where the norms materialized them. A unit's weight is
+    # repeated for each of its rows.
+    _, _, shared = self._shared(deltas)
+    if shared is not None:
+      return super().kernel_sum(deltas, weights)
     layer = self.layer
     return tf.add_n([ghost.conv_grad(
         c.merged(c.inputs), c.merged(d),

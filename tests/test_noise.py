@@ -1,0 +1,87 @@
+"""The Gaussian sampler (core.noise.standard_normal): its distribution, its
+trigonometry, and the same draws with and without XLA."""
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from scipy import stats
+
+from tf_dpadambc.core import noise
+
+SEED = tf.constant([20240511, 7], tf.int64)
+
+
+def _xla(fn, *args):
+  return tf.function(fn, jit_compile=True)(*args)
+
+
+def test_sincos_within_1e7_on_every_angle_drawn():
+  """Exhaustive over the 2²⁴ angles u₂ = k·2⁻²⁴ the sampler uses."""
+  u = tf.range(2**24, dtype=tf.float32) * 2.0**-24
+  sin, cos = _xla(noise._sincos_2pi, u)  # pylint: disable=protected-access
+  theta = 2 * np.pi * u.numpy().astype(np.float64)
+  assert np.abs(sin.numpy() - np.sin(theta)).max() < 1e-7
+  assert np.abs(cos.numpy() - np.cos(theta)).max() < 1e-7
+  assert np.abs(sin.numpy()).max() <= 1.0 and np.abs(cos.numpy()).max() <= 1.0
+
+
+def test_standard_normal_moments_tails_and_ks():
+  n = 4_000_001  # odd: the last pair's second half is dropped
+  z = _xla(lambda s: noise.standard_normal([n], s), SEED).numpy()
+  assert z.shape == (n,) and z.dtype == np.float32 and np.isfinite(z).all()
+  z = z.astype(np.float64)
+  se = 1 / math.sqrt(n)
+  assert abs(z.mean()) < 5 * se
+  assert abs(z.std() - 1) < 5 * se / math.sqrt(2)
+  assert abs(stats.skew(z)) < 5 * math.sqrt(6 / n)
+  assert abs(stats.kurtosis(z)) < 5 * math.sqrt(24 / n)
+  assert stats.kstest(z, "norm").pvalue > 1e-3
+  for t in (1.0, 2.0, 3.0, 4.0):  # two-sided tail masses, binomial 5σ
+    p = 2 * stats.norm.sf(t)
+    assert abs((np.abs(z) > t).mean() - p) < 5 * math.sqrt(p * (1 - p) / n)
+  # The two halves of a pair (r sin θ, r cos θ) are uncorrelated, and so
+  # are r² and θ-parts: z₁² + z₂² = r² is χ²₂ (exponential, mean 2).
+  half = (n + 1) // 2
+  first, second = z[:half - 1], z[half:]
+  assert abs(np.corrcoef(first, second)[0, 1]) < 5 / math.sqrt(half)
+  r2 = first**2 + second**2
+  assert stats.kstest(r2, "expon", args=(0, 2)).pvalue > 1e-3
+
+
+def test_radius_is_not_clamped():
+  """u₁ = (w + ½)·2⁻³² > 0: no atom at a clamped radius; the largest radius
+  is √(2·33·ln 2) ≈ 6.76 (at u₁ = 2⁻³³)."""
+  words = tf.constant([0, 1, 2**31, 2**32 - 1], tf.uint32)
+  u1 = (tf.cast(words, tf.float32) + 0.5) * 2.0**-32
+  radius = tf.sqrt(-2.0 * tf.math.log(u1)).numpy()
+  assert np.isfinite(radius).all() and radius.min() >= 0
+  np.testing.assert_allclose(radius[0], math.sqrt(2 * 33 * math.log(2)),
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5, 7), (784, 128)])
+def test_same_draws_with_and_without_xla_and_by_seed(shape):
+  eager = noise.standard_normal(shape, SEED).numpy()
+  xla = _xla(lambda s: noise.standard_normal(shape, s), SEED).numpy()
+  assert eager.shape == shape
+  np.testing.assert_allclose(eager, xla, rtol=1e-5, atol=2e-6)
+  np.testing.assert_array_equal(eager, noise.standard_normal(shape,
+                                                             SEED).numpy())
+  other = noise.standard_normal(shape, SEED + 1).numpy()
+  assert not np.allclose(eager, other)
+
+
+def test_gaussian_noise_like_scales_and_keeps_dtypes():
+  templates = [tf.zeros((300, 200)), tf.zeros((9,), tf.bfloat16),
+               tf.zeros((4, 4), tf.float64)]
+  out = noise.gaussian_noise_like(templates, 2.5, SEED)
+  assert [o.dtype for o in out] == [tf.float32, tf.bfloat16, tf.float64]
+  assert [o.shape for o in out] == [t.shape for t in templates]
+  big = out[0].numpy().astype(np.float64)
+  assert abs(big.std() - 2.5) < 5 * 2.5 / math.sqrt(2 * big.size)
+  # Tensor j draws with fold_in(seed, j): independent of tensor 0.
+  np.testing.assert_allclose(
+      out[0].numpy(), 2.5 * noise.standard_normal(
+          (300, 200), tf.random.experimental.stateless_fold_in(SEED, 0)),
+      rtol=1e-6)
