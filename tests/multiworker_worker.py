@@ -46,7 +46,7 @@ import keras  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_dpadambc  # noqa: E402
-from tf_dpadambc.keras import distributed  # noqa: E402
+from tf_dpadambc.keras import custom_loop  # noqa: E402
 
 N, GLOBAL_BATCH, D = 64, 32, 5
 SIGMA, CLIP = 2.0, 1.0  # the noise model: std of Δw = σC/B = 0.0625
@@ -101,7 +101,7 @@ def _reference():
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))
   for s in range(0, N, GLOBAL_BATCH):
-    distributed.private_step(model, (x[s:s + GLOBAL_BATCH],
+    custom_loop.private_step(model, (x[s:s + GLOBAL_BATCH],
                                      y[s:s + GLOBAL_BATCH]))
   return model, optimizer
 
@@ -130,7 +130,7 @@ def _keras3(how):
 
     @tf.function
     def step(batch, model=model):
-      losses = STRATEGY.run(distributed.private_step, args=(model, batch))
+      losses = STRATEGY.run(custom_loop.private_step, args=(model, batch))
       return STRATEGY.reduce("MEAN", losses, axis=None)
 
     if name == "trained":

@@ -1,7 +1,7 @@
 """Keras 3 adapters over the functional core."""
 from tf_dpadambc.keras.optimizers import *  # noqa: F401,F403
 from tf_dpadambc.keras.optimizers import __all__ as _OPTIMIZERS
-from tf_dpadambc.keras.distributed import private_step
+from tf_dpadambc.keras.custom_loop import private_step
 from tf_dpadambc.keras.ghost import ClippingPlan
 from tf_dpadambc.keras.rules import GhostRule
 from tf_dpadambc.keras.rules import gradient_term

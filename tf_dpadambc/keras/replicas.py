@@ -40,8 +40,8 @@ KERAS3_FIT_ERROR = (
     "MultiWorkerMirroredStrategy with {workers} workers, even without "
     "privacy (it fails with 'Attempt to convert a value (PerReplica: ...) "
     "with an unsupported type'; keras-team/keras#20585). Train across "
-    "workers with a custom loop that calls tf_dpadambc.keras.distributed."
-    "private_step(model, batch) inside strategy.run (same clipping, one "
+    "workers with a custom loop that calls tf_dpadambc.private_step(model, "
+    "batch) inside strategy.run (same clipping, one "
     "noise draw per global step, same accounting; README, 'tf.distribute', "
     "and examples/multi_worker.py), or with a tf_keras model and "
     "tf_dpadambc.tf_keras's optimizers, whose fit supports it.")
