@@ -80,8 +80,10 @@ step's duration and the machine's load average. Workers run with
 ``TF_MKL_ALLOC_MAX_BYTES`` = half the machine's memory, so a configuration
 that needs more fails with an OOM error instead of waking the OOM killer.
 
-The summary checks the targets: DPAdamBC <= 1.2x non-private ms/step on the
-MLP and the embedding model, <= 1.8x on the CNNs and the transformer, <= 1.3x
+The summary checks the targets (issue 16): DPAdamBC <= 1.2x non-private
+ms/step on the MLP, <= 1.5x on the embedding model, <= 1.4x on the MNIST CNN
+and the transformer, <= 1.8x on the CIFAR CNN5, the batch-1024 ratio within
+0.2 of the batch-256 one, <= 1.3x
 on the LoRA-fine-tuned KerasHub backbones, <= 1.6x on the fully fine-tuned one,
 <= 3x on the LSTM text model (``lstm_text``: run it with a small batch,
 ``--models lstm_text --batch-sizes 64``; not in the default model list);
@@ -990,8 +992,9 @@ def targets(results, batch_sizes):
     return None if r is None else _ratios(results, r)
 
   for b in batch_sizes:
-    for names, bound in ((("mlp", "embedding_bag"), 1.2),
-                         (("mnist_cnn", "cifar_cnn", "transformer"), 1.8),
+    for names, bound in ((("mlp",), 1.2), (("embedding_bag",), 1.5),
+                         (("mnist_cnn", "transformer"), 1.4),
+                         (("cifar_cnn",), 1.8),
                          (("lstm_text",), 3.0),
                          (("gemma_lora", "bert_lora"), 1.3),
                          (("gemma_full",), 1.6)):
@@ -1026,6 +1029,14 @@ def targets(results, batch_sizes):
       lines.append(f"{verdict(bc['ms_per_step'] < seq['ms_per_step'])} "
                    f"DPAdamBC faster than DPSequential, mlp, batch {b}: "
                    f"{bc['ms_per_step']:.2f} vs {seq['ms_per_step']:.2f} ms")
+  if 256 in batch_sizes and 1024 in batch_sizes:  # the ratio must not grow
+    for name in sorted({r["model"] for r in results}):
+      small, large = ratio(256, name), ratio(1024, name)
+      if small and large and small[0] is not None and large[0] is not None:
+        lines.append(
+            f"{verdict(large[0] <= small[0] + 0.2)} DPAdamBC batch-1024 ratio "
+            f"within 0.2 of batch 256's, {name}: {large[0]:.2f}x vs "
+            f"{small[0]:.2f}x")
   memory_batch = 1024 if 1024 in batch_sizes else max(batch_sizes)
   note = "" if memory_batch == 1024 else " (1024 not run)"
   for r in results:
