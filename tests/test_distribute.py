@@ -88,8 +88,8 @@ def test_unsupported_strategies_and_combinations_are_refused():
          tf.distribute.MirroredStrategy(DEVICES), epochs=1)
 
 
-def _custom_loop(strategy=None, steps=2):
-  """DPAdamBC through tf_dpadambc.private_step in a
+def _custom_loop(strategy=None, steps=2, make=None):
+  """DPAdamBC (or ``make()``) through tf_dpadambc.private_step in a
   custom loop (under ``strategy.run`` when given), global batches of 16."""
   scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
   with scope:
@@ -97,7 +97,8 @@ def _custom_loop(strategy=None, steps=2):
     model = keras.Sequential([keras.Input((5,)),
                               keras.layers.Dense(4, activation="tanh"),
                               keras.layers.Dense(2)])
-    optimizer = tf_dpadambc.DPAdamBC(1.0, 1.0, seed=3, learning_rate=1e-2)
+    optimizer = (make() if make else
+                 tf_dpadambc.DPAdamBC(1.0, 1.0, seed=3, learning_rate=1e-2))
     model.compile(optimizer=optimizer, loss=LOSS)
   if strategy is None:
     step = tf.function(lambda batch: tf_dpadambc.private_step(model, batch))
@@ -128,6 +129,23 @@ def test_custom_loop_private_step_equals_fit():
     assert optimizer.steps_taken == fit_opt.steps_taken == 4
     assert optimizer.logical_batch_size == 16
     assert optimizer.dp_event(64) == fit_opt.dp_event(64)
+
+
+def test_custom_loop_private_step_takes_a_dpquery_on_one_device():
+  # The query's own clipping and release (fit's _query_step), noiseless so
+  # that the two runs must agree exactly; refused under replicas (above).
+  def make():
+    return tf_dpadambc.DPSGD(query=mechanisms.IndependentNoise(0.5, 0.0),
+                             learning_rate=0.5)
+  with pytest.warns(UserWarning, match="NOT differentially private"):
+    fitted, fit_opt = _fit(make, epochs=1, shuffle=False)
+    model, optimizer, _ = _custom_loop(steps=4, make=make)
+  for a, b in zip(fitted.trainable_variables, model.trainable_variables):
+    np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+  assert not np.allclose(model.trainable_variables[0].numpy(),
+                         _custom_loop(steps=0, make=make)[0]
+                         .trainable_variables[0].numpy())
+  assert optimizer.steps_taken == fit_opt.steps_taken == 4
 
 
 def test_private_step_refuses_cross_replica_context_and_other_optimizers():

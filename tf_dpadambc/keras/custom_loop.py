@@ -58,9 +58,10 @@ def private_step(model, data, optimizer=None):
   step does not compare the batched and per-example forward passes on the
   first step (``tf_dpadambc.keras.training.examples_independent`` does it on
   demand); per-example evaluation keeps the step private either way.
-  Refused (``NotImplementedError``) under several replicas: DPQueries,
-  public preconditioners, correlated (DP-MF) noise, and non-synchronous
-  strategies.
+  On one device every optimizer works as under ``fit`` (a DPQuery clips and
+  releases through its own ``preprocess_record``). Refused
+  (``NotImplementedError``) under several replicas: DPQueries, public
+  preconditioners, correlated (DP-MF) noise, and non-synchronous strategies.
   """
   optimizer = optimizer if optimizer is not None else model.optimizer
   if not isinstance(optimizer, base.DPOptimizer):
