@@ -131,12 +131,17 @@ def test_custom_loop_private_step_equals_fit():
     assert optimizer.dp_event(64) == fit_opt.dp_event(64)
 
 
-def test_custom_loop_private_step_takes_a_dpquery_on_one_device():
-  # The query's own clipping and release (fit's _query_step), noiseless so
-  # that the two runs must agree exactly; refused under replicas (above).
-  def make():
-    return tf_dpadambc.DPSGD(query=mechanisms.IndependentNoise(0.5, 0.0),
-                             learning_rate=0.5)
+@pytest.mark.parametrize("make", [
+    # The query's own clipping and release (fit's _query_step), noiseless so
+    # that the two runs must agree exactly.
+    lambda: tf_dpadambc.DPSGD(query=mechanisms.IndependentNoise(0.5, 0.0),
+                              learning_rate=0.5),
+    # The public preconditioner refreshes in before_step, as in fit.
+    lambda: tf_dpadambc.DPAdamPublicPreconditioner(
+        0.5, 0.0, seed=3, learning_rate=0.05, refresh_every=2,
+        public_data=(X[:8], Y[:8]))], ids=["dpquery", "public"])
+def test_custom_loop_private_step_takes_every_optimizer_on_one_device(make):
+  # (Both are refused under several replicas, above.)
   with pytest.warns(UserWarning, match="NOT differentially private"):
     fitted, fit_opt = _fit(make, epochs=1, shuffle=False)
     model, optimizer, _ = _custom_loop(steps=4, make=make)

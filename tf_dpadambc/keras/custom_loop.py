@@ -87,6 +87,7 @@ def private_step(model, data, optimizer=None):
   variables = model.trainable_variables
   if not optimizer.built:
     replicas.build(optimizer, variables)
+  optimizer.before_step(model)  # public work only (AdaDPS' refresh)
   # The stages of fit's step (training._private_stage): clip, then one
   # release (across replicas when replicated). No first-step check here.
   batch_size = training._batch_size(x)  # pylint: disable=protected-access
