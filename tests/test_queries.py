@@ -278,3 +278,26 @@ def test_l2_clipping_queries_take_ghost_clipping_exactly(make):
     assert float(clips[0]) != 0.5  # it adapted
     np.testing.assert_allclose(float(clips[0]), float(clips[1]), rtol=1e-6)
   assert 0 < runs["auto"][2]["dp_clipped_fraction"][0] < 1
+
+
+class _HalvingNoise(mechanisms.IndependentNoise):
+  """A user's subclass that clips each record to C/2 (its own
+  preprocess_record): the release must use it, not our L2 shortcut at C."""
+
+  def preprocess_record(self, params, record):
+    return super().preprocess_record(params / 2, record)
+
+
+def test_a_query_subclass_is_served_by_its_own_preprocess_record():
+  # Ghost clipping takes a query's clip norm only for the exact classes it
+  # knows; a subclass may clip or sum differently, so it gets per-unit
+  # records through its own preprocess_record.
+  assert queries._kind(_HalvingNoise(0.5, 0.0)) is None
+  assert not queries.QueryRelease(_HalvingNoise(0.5, 0.0)).sums
+  optimizer = tf_dpadambc.DPSGD(query=_HalvingNoise(0.5, 0.0),
+                                learning_rate=1.0)
+  model = _model(optimizer)
+  expected = _reference_sgd_step(model, X[:16], Y[:16], 0.25, 1.0)
+  model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)
+  for w, e in zip(model.trainable_variables, expected):
+    np.testing.assert_allclose(w.numpy(), e, rtol=1e-4, atol=1e-5)

@@ -55,31 +55,42 @@ class NotAccountable(ValueError):
     self.not_private = not_private
 
 
-# What tf_dpadambc knows of a query, by class: the only place that asks.
-# TF-Privacy's classes are known by name (TF-Privacy is optional, and cannot
-# be imported on TensorFlow ≥ 2.16 without its skip flag); ours by type.
-_TF_PRIVACY_KINDS = (("NormalizedQuery", "normalized"),
-                     ("QuantileAdaptiveClipSumQuery", "adaptive"),
-                     ("GaussianSumQuery", "gaussian"))
+# What tf_dpadambc knows of a query, by its exact class: the only place that
+# asks. A subclass may change how a record is clipped or summed, so it gets
+# only the DPQuery protocol (per-unit preprocess_record, folded accumulate):
+# exact, slower. TF-Privacy's classes are known by module and name
+# (TF-Privacy is optional, and cannot be imported on TensorFlow ≥ 2.16
+# without its skip flag); ours by type.
+_TF_PRIVACY_KINDS = {"NormalizedQuery": "normalized",
+                     "QuantileAdaptiveClipSumQuery": "adaptive",
+                     "GaussianSumQuery": "gaussian"}
+
+
+def _from_tf_privacy(query):
+  return type(query).__module__.split(".")[0] == "tensorflow_privacy"
 
 
 def _kind(query):
   """``"normalized"``, ``"adaptive"``, ``"gaussian"`` (a Gaussian sum
   query, or our IndependentNoise), ``"correlated"`` (our CorrelatedNoise)
-  or None (any other query: only its DPQuery protocol is used)."""
-  if isinstance(query, mechanisms.CorrelatedNoise):
+  or None (any other query, subclasses included: only its DPQuery protocol
+  is used)."""
+  if type(query) is mechanisms.CorrelatedNoise:
     return "correlated"
-  if isinstance(query, mechanisms.NoiseMechanism):
+  if type(query) is mechanisms.IndependentNoise:
     return "gaussian"
-  names = {c.__name__ for c in type(query).__mro__}
-  return next((kind for name, kind in _TF_PRIVACY_KINDS if name in names),
-              None)
+  if _from_tf_privacy(query):
+    return _TF_PRIVACY_KINDS.get(type(query).__name__)
+  return None
 
 
 def _sums(query):
-  """True for sum queries, which accumulate records by addition."""
-  return isinstance(query, mechanisms.NoiseMechanism) or (
-      "SumAggregationDPQuery" in {c.__name__ for c in type(query).__mro__})
+  """True for sum queries, whose records accumulate by addition: ours and
+  TF-Privacy's own (a subclass elsewhere folds its accumulate instead)."""
+  return type(query) in (mechanisms.IndependentNoise,
+                         mechanisms.CorrelatedNoise) or (
+                             _from_tf_privacy(query) and "SumAggregationDPQuery"
+                             in {c.__name__ for c in type(query).__mro__})
 
 
 def check_query(query):
