@@ -138,21 +138,19 @@ def _keras3(how):
         step(batch)
     else:
       step((tf.zeros([LOCAL, 4]), tf.zeros([LOCAL, NOISE_UNITS])))
-    results[name] = {
-        "initial": initial,
-        "weights": [v.numpy().tolist() for v in model.trainable_variables],
-        "steps_taken": int(optimizer.steps_taken),
-        "logical_batch_size": int(optimizer.logical_batch_size),
-        "dp_event": str(optimizer.dp_event(N)),
-        "seed_variable": type(
-            optimizer._seed_variable.value).__name__}  # pylint: disable=protected-access
-  reference, ref_optimizer = _reference()
-  results["reference"] = {
-      "weights": [v.numpy().tolist() for v in reference.trainable_variables],
-      "steps_taken": int(ref_optimizer.steps_taken),
-      "logical_batch_size": int(ref_optimizer.logical_batch_size),
-      "dp_event": str(ref_optimizer.dp_event(N))}
+    results[name] = dict(
+        _summary(model, optimizer), initial=initial,
+        seed_variable=type(optimizer._seed_variable.value).__name__)  # pylint: disable=protected-access
+  results["reference"] = _summary(*_reference())
   return results
+
+
+def _summary(model, optimizer):
+  """Weights and accounting of one run, as JSON values."""
+  return {"weights": [v.numpy().tolist() for v in model.trainable_variables],
+          "steps_taken": int(optimizer.steps_taken),
+          "logical_batch_size": int(optimizer.logical_batch_size),
+          "dp_event": str(optimizer.dp_event(N))}
 
 
 def _keras3_fit():
@@ -210,12 +208,7 @@ def _tf_keras(how):
         "seed_variable": type(optimizer.keras_optimizer._seed_variable.value  # pylint: disable=protected-access
                               ).__name__}
   # The reference: the same steps on one device with the Keras 3 optimizer.
-  reference, ref_optimizer = _reference()
-  results["reference"] = {
-      "weights": [v.numpy().tolist() for v in reference.trainable_variables],
-      "steps_taken": int(ref_optimizer.steps_taken),
-      "logical_batch_size": int(ref_optimizer.logical_batch_size),
-      "dp_event": str(ref_optimizer.dp_event(N))}
+  results["reference"] = _summary(*_reference())
   return results
 
 
