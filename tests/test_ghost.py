@@ -542,9 +542,20 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit):
   later[2, 3, 2] *= 1 + 2 ** -20
   signed_zero = pooled.copy()
   signed_zero[3, 9:] = -0.0  # padding rows of -0.0 are zero rows
+  partial = pooled.copy()
+  partial[4, 5, 1] = 0.0  # a non-zero row with one feature zeroed
+  negated = pooled.copy()
+  negated[0, 2] *= -1.0  # same magnitudes, another row
+  # Non-finite values in an otherwise zero row, or in a row of g_u: the
+  # sorted path (norm NaN/inf, the unit is dropped), never the shortcut.
+  nan_row, inf_row, nan_in_row = pooled.copy(), pooled.copy(), pooled.copy()
+  nan_row[2, 10, 1] = np.nan
+  inf_row[3, 10, 2] = np.inf
+  nan_in_row[4, 0, 2] = np.nan
   norms = tf.function(
       lambda i, d: ghost.embedding_sq_norms(i, d, vocab), jit_compile=jit)
-  for delta in (pooled, general, later, signed_zero):
+  for delta in (pooled, general, later, signed_zero, partial, negated,
+                nan_row, inf_row, nan_in_row):
     np.testing.assert_allclose(
         norms(tf.constant(ids), tf.constant(delta, tf.float32)).numpy(),
         _embedding_sq_norms_reference(ids, delta.astype(np.float32), vocab),
