@@ -567,6 +567,44 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit):
       _embedding_sq_norms_reference(distinct, pooled, vocab))
 
 
+@pytest.mark.parametrize("counters", ["fit", "do not fit"])
+@pytest.mark.parametrize("static", [True, False])
+def test_embedding_row_sums_by_first_position_and_by_sort(counters, static,
+                                                          monkeypatch):
+  """The per-unit row sums (first position of each id where the U·vocab
+  counters fit, a sort otherwise; the batch size static or not) give the
+  materialized norms, and Σ_u w_u² ∇E_u⊙∇E_u; ids repeat and some are out
+  of range (clamped, as the lookup does under XLA)."""
+  if counters == "do not fit":
+    monkeypatch.setattr(ghost, "_MAX_COUNTERS", 8)
+  rng = np.random.default_rng(11)
+  units, length, vocab, dim = 6, 9, 5, 4
+  ids = rng.integers(0, vocab, (units, length))
+  ids[1, 2], ids[2, 0] = vocab + 3, -1
+  delta = rng.normal(size=(units, length, dim)).astype(np.float32)
+  weights = np.array([1.0, 0.5, 0.0, 2.0, 1.0, 0.25], np.float32)
+  clamped = np.clip(ids, 0, vocab - 1)
+  grads = np.zeros((units, vocab, dim))
+  for u in range(units):
+    np.add.at(grads[u], clamped[u], delta[u].astype(np.float64))
+  spec = [tf.TensorSpec([None if not static else units, length], tf.int64),
+          tf.TensorSpec([None if not static else units, length, dim],
+                        tf.float32),
+          tf.TensorSpec([None if not static else units], tf.float32)]
+  for jit in (False, True):
+    fn = tf.function(lambda i, d, w: (
+        ghost.embedding_sq_norms(i, d, vocab),
+        ghost.embedding_square_sum(i, d, w, vocab)),
+                     input_signature=spec, jit_compile=jit)
+    norms, squares = fn(tf.constant(ids), tf.constant(delta),
+                        tf.constant(weights))
+    np.testing.assert_allclose(norms.numpy(), np.sum(grads ** 2, (1, 2)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(
+        squares.numpy(), np.einsum("u,uvd->vd", weights ** 2, grads ** 2),
+        rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("kernel,strides,padding,dilation", [
     ((3, 3), (1, 1), "valid", (1, 1)),
     ((3, 2), (2, 1), "same", (1, 1)),

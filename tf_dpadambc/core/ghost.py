@@ -262,7 +262,46 @@ def _rows_of(ids, vocab_size):
 
 
 def _segments(ids, delta, vocab_size):
-  """Σ of δ over each unit's equal ids, by sorting every unit's ids.
+  """Σ of δ over each unit's equal ids: ``(sums [U·T, d], unit [U·T],
+  id [U·T])``, one slot per position, of which the unused ones are zero.
+
+  Where U·vocab counters fit (:data:`_MAX_COUNTERS`), by each id's first
+  position in its unit (:func:`_segments_by_first`); otherwise by sorting
+  every unit's ids (:func:`_segments_by_sort`)."""
+  ids = tf.convert_to_tensor(ids)
+  if ids.shape[0] is not None:
+    if ids.shape[0] * vocab_size <= _MAX_COUNTERS:
+      return _segments_by_first(ids, delta, vocab_size)
+    return _segments_by_sort(ids, delta, vocab_size)
+  return tf.cond(tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS,
+                 lambda: _segments_by_first(ids, delta, vocab_size),
+                 lambda: _segments_by_sort(ids, delta, vocab_size))
+
+
+def _segments_by_first(ids, delta, vocab_size):
+  """:func:`_segments` without a sort: a scatter-min of the positions into
+  U·vocab int32 counters gives each position the first position of its id
+  in its unit, and δ is summed into that position's slot (the slots of
+  later repeats stay zero). XLA's comparator sort took 15 ms for 256 units
+  of 256 ids on one CPU core; this, well under a millisecond."""
+  delta = tf.convert_to_tensor(delta)
+  num_units, length = tf.shape(ids)[0], tf.shape(ids)[1]
+  token = tf.cast(_rows_of(ids, vocab_size), tf.int32)
+  keys = token + tf.range(num_units)[:, None] * vocab_size
+  positions = tf.broadcast_to(tf.range(length)[None], tf.shape(keys))
+  first = tf.math.unsorted_segment_min(
+      tf.reshape(positions, [-1]), tf.reshape(keys, [-1]),
+      num_units * vocab_size)
+  slot = tf.gather(first, keys) + tf.range(num_units)[:, None] * length
+  sums = tf.math.unsorted_segment_sum(
+      tf.reshape(delta, [-1, tf.shape(delta)[-1]]), tf.reshape(slot, [-1]),
+      num_units * length)
+  unit = tf.repeat(tf.range(num_units), length)
+  return sums, unit, tf.reshape(token, [-1])
+
+
+def _segments_by_sort(ids, delta, vocab_size):
+  """:func:`_segments` by sorting every unit's ids.
 
   Each row of ids is sorted on its own (keys id·T + t, int32 where they fit),
   δ is gathered in that order, and runs of equal ids are summed. Returns
@@ -286,8 +325,8 @@ def _segments(ids, delta, vocab_size):
   segment = tf.reshape(run + tf.range(num_units)[:, None] * length, [-1])
   sums = tf.math.unsorted_segment_sum(
       tf.reshape(rows, [-1, tf.shape(delta)[-1]]), segment, slots)
-  token = tf.maximum(tf.math.unsorted_segment_max(
-      tf.reshape(sorted_ids, [-1]), segment, slots), 0)
+  token = tf.cast(tf.maximum(tf.math.unsorted_segment_max(
+      tf.reshape(sorted_ids, [-1]), segment, slots), 0), tf.int32)
   unit = tf.repeat(tf.range(num_units), length)
   return sums, unit, token
 
