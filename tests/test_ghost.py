@@ -664,3 +664,74 @@ def test_conv_patches_by_slices_equal_extract_patches_bitwise(jit):
         t, kernel, strides, padding, dilation), jit_compile=jit)(x).numpy()
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_chunked_float32_sum_within_its_rounding_bound(jit):
+  """chunked_linear_grad (float32 chunks of K units, chunks summed in
+  float64) differs from the exact Σ_u w_u a_u δ_uᵀ by at most
+  γ·Σ_u |w_u a_u δ_uᵀ| elementwise (core.ghost.float32_rounding), on values
+  spanning 30 binades whose units cancel each other; U not a multiple of K;
+  a zero-weight unit with NaN adds exactly 0."""
+  rng = np.random.default_rng(17)
+  units, p, d = 77, 33, 9
+  a = rng.normal(size=(units, 1, p)) * 2.0 ** rng.integers(-15, 15, (units, 1, p))
+  delta = rng.normal(size=(units, 1, d)) * 2.0 ** rng.integers(-15, 15, (units, 1, d))
+  a[1::2] = a[0::2][:units // 2]  # pairs of units that cancel exactly
+  delta[1::2] = -delta[0::2][:units // 2]
+  a, delta = a.astype(np.float32), delta.astype(np.float32)
+  weights = rng.uniform(0.1, 1.0, units).astype(np.float32)
+  weights[1::2] = weights[0::2][:units // 2]
+  weights[5], a[5, 0, 0] = 0.0, np.nan
+  got = tf.function(ghost.chunked_linear_grad, jit_compile=jit)(
+      tf.constant(a), tf.constant(delta), tf.constant(weights)).numpy()
+  w, a64, d64 = (weights.astype(np.float64), a[:, 0].astype(np.float64),
+                 delta[:, 0].astype(np.float64))
+  w[5], a64[5] = 0.0, 0.0
+  terms = np.einsum("u,up,ud->upd", w, a64, d64)
+  exact = terms.sum(0)
+  bound = ghost.float32_rounding() * np.abs(terms).sum(0)
+  assert np.all(np.abs(got - exact) <= bound)
+  # It is a float32 sum: not the float64 one (the bound is not vacuous).
+  assert np.any(got != exact.astype(np.float32)) or np.all(bound == 0)
+
+
+def _wide_mlp():  # a 256 x 128 kernel: the chunked float32 sum
+  return keras.Sequential([keras.Input((256,)),
+                           keras.layers.Dense(128, activation="tanh"),
+                           keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("case", ["float32", "too many units", "stp"])
+def test_float32_sums_clip_at_the_shrunk_norm(case, monkeypatch):
+  """Where a T = 1 layer's sum is book-kept in float32 chunks, every unit is
+  clipped at C/(1 + 2γU) (float32_clip_shrink), which pays for the
+  rounding: the sum equals the per-example reference clipped there, and
+  the clipped norms are below it. Above the layer's unit limit, or with a
+  scale-then-privatize preconditioner, the float64 sums clip at C."""
+  if case == "too many units":
+    monkeypatch.setattr(ghost, "FLOAT32_MAX_SHRINK", 2.0 ** -16)
+  model = _wide_mlp()
+  rng = np.random.default_rng(19)
+  units, clip = 40, 0.05
+  x = rng.normal(size=(units, 256)).astype(np.float32)
+  y = rng.integers(0, 3, units)
+  scale = None
+  if case == "stp":
+    scale = [tf.constant(rng.uniform(0.5, 2.0, v.shape), tf.float32)
+             for v in model.trainable_variables]
+  shrink = float(ghost.float32_clip_shrink(units)) if case == "float32" else 1.0
+  assert shrink > 1.0 + 1e-4 or case != "float32"
+  result = ghost_sum(model, x, y, None, clipping.ClipSpec(clip, scale=scale),
+                     None)
+  expected = reference(model, x, y, None,
+                       clipping.ClipSpec(clip / shrink, scale=scale), None)
+  assert int(expected.num_clipped) == units  # every unit clipped
+  assert_same(result, expected)
+  # Against the unshrunk clip every entry differs by 1 + 2γU (by 1 on the
+  # float64 paths): finer than assert_same's tolerance.
+  unshrunk = reference(model, x, y, None, clipping.ClipSpec(clip, scale=scale),
+                       None)
+  for got, want in zip(result.grads, unshrunk.grads):
+    ratio = np.asarray(want) / np.asarray(got)
+    np.testing.assert_allclose(np.median(ratio), shrink, rtol=2e-6)

@@ -214,6 +214,78 @@ def linear_grad(a, delta, weights):
   return tf.cast(grad, a.dtype)
 
 
+# Chunked float32 sums of T = 1 layers (chunked_linear_grad): K units per
+# chunk; the most the clip may shrink for their rounding (2γU); the smallest
+# kernel (p·d) where they pay; the most memory their partial sums may take.
+FLOAT32_CHUNK = 32
+FLOAT32_MAX_SHRINK = 2.0 ** -7
+FLOAT32_MIN_WEIGHTS = 1 << 15
+FLOAT32_MAX_PARTIAL_BYTES = 1 << 26
+
+
+def float32_rounding():
+  """γ: a bound, relative to Σ_u ‖x_u‖ (x_u = c_u a_u δ_uᵀ, c_u the float64
+  clip factor), of everything rounding can add to a book-kept sum of the
+  T = 1 path of :func:`chunked_linear_grad` (elementwise |error| ≤
+  γ·Σ_u |x_u|, so ‖error‖ ≤ γ·Σ_u ‖x_u‖).
+
+  Each term passes K − 1 float32 additions, the cast of c_u to float32, the
+  products c_u·δ_u and a_u·(c_uδ_u), and the final cast of the sum to
+  float32: K + 3 roundings of u = 2⁻²⁴ (Higham's γ_n = nu/(1 − nu)); two
+  more for the float64 norms and the float64 sum of the chunks (each
+  ≪ 2⁻²⁴ relative). The float64 path of :func:`linear_grad` is covered by
+  the same γ."""
+  n = FLOAT32_CHUNK + 5
+  return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
+
+
+def float32_clip_shrink(num_units):
+  """1 + 2γU: with every unit clipped at C/(1 + 2γU) and its share summed
+  with error ≤ γ·Σ_u‖x_u‖ ≤ γU·C/(1 + 2γU), adding or removing a unit moves
+  the computed sum by at most C/(1+2γU)·(1 + 2γU) = C: the sensitivity the
+  noise is calibrated to, exactly, with the rounding included."""
+  return 1.0 + 2.0 * float32_rounding() * tf.cast(num_units, tf.float64)
+
+
+def float32_max_units(positions, fan_in, fan_out, dtype):
+  """The most units for which a layer's book-kept sum may take
+  :func:`chunked_linear_grad` (0: never): T = 1, float32 records, a kernel
+  of at least FLOAT32_MIN_WEIGHTS entries (below that the float64 product
+  is cheap), a clip shrink 2γU ≤ FLOAT32_MAX_SHRINK and partial sums within
+  FLOAT32_MAX_PARTIAL_BYTES; never where float32 products may run in TF32
+  (a GPU with TensorFloat-32 enabled: inputs rounded to 2⁻¹¹, outside γ)."""
+  if positions != 1 or dtype != tf.float32 or fan_in is None or (
+      fan_out is None) or fan_in * fan_out < FLOAT32_MIN_WEIGHTS:
+    return 0
+  if tf.config.experimental.tensor_float_32_execution_enabled() and (
+      tf.config.list_logical_devices("GPU")):
+    return 0
+  by_rounding = int(FLOAT32_MAX_SHRINK / (2.0 * float32_rounding()))
+  by_memory = FLOAT32_CHUNK * (FLOAT32_MAX_PARTIAL_BYTES
+                               // (4 * fan_in * fan_out))
+  return min(by_rounding, by_memory)
+
+
+def chunked_linear_grad(a, delta, weights):
+  """Σ_u w_u a_u δ_uᵀ of a T = 1 layer ([U, 1, p], [U, 1, d], [U] -> [p, d]):
+  float32 products over chunks of K = FLOAT32_CHUNK units (zero units pad
+  the last), the chunks summed in float64.
+
+  Private only with every unit clipped at C/:func:`float32_clip_shrink`
+  (``keras.ghost.clipped_sum`` does): the rounding of a float32 sum is not
+  any one unit's and moves with the others', bounded by γ·Σ_u‖x_u‖
+  (:func:`float32_rounding`). Units with weight 0 add exactly 0."""
+  keep = weights != 0
+  chunk = FLOAT32_CHUNK
+  a = masked(a[:, 0], keep)
+  y = masked(delta[:, 0], keep) * tf.cast(weights, delta.dtype)[:, None]
+  pad = (-tf.shape(a)[0]) % chunk
+  a = tf.reshape(tf.pad(a, [[0, pad], [0, 0]]), [-1, chunk, a.shape[-1]])
+  y = tf.reshape(tf.pad(y, [[0, pad], [0, 0]]), [-1, chunk, y.shape[-1]])
+  partial = tf.einsum("ckp,ckd->cpd", a, y)
+  return tf.cast(tf.reduce_sum(tf.cast(partial, tf.float64), 0), a.dtype)
+
+
 def linear_square_sum(a, delta, weights):
   """Σ_u w_u² (A_uᵀΔ_u)⊙(A_uᵀΔ_u) (joint moment estimation): -> [p, d].
 

@@ -64,6 +64,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpadambc.core import clipping
+from tf_dpadambc.core import ghost as core_ghost
 from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import _compat
 from tf_dpadambc.keras import rules  # noqa: F401  (built-in rules register)
@@ -253,6 +254,29 @@ class _Recorder:
         object.__setattr__(layer, "call", own)
 
 
+def _float32_sums(rules, deltas, scales, num_units):
+  """Switches the T = 1 layers that allow this many units to chunked float32
+  sums (``core.ghost.chunked_linear_grad``, several times faster than the
+  float64 product on the CPU) and returns the clip shrink 1 + 2γU that pays
+  for their rounding (``core.ghost.float32_clip_shrink``), or None where no
+  layer can (and with a scale-then-privatize preconditioner, whose scaled
+  norms do not bound the unscaled sum's rounding)."""
+  if scales is not None:
+    return None
+  uses = []
+  for rule, d in zip(rules, deltas):
+    limit = (rule.float32_max_units(d) if rule.calls and hasattr(
+        rule, "float32_max_units") else 0)
+    if limit > 0:
+      rule.float32_sum = num_units <= limit
+      uses.append(rule.float32_sum)
+  if not uses:
+    return None
+  return tf.where(tf.reduce_any(tf.stack(uses)),
+                  core_ghost.float32_clip_shrink(num_units),
+                  tf.constant(1.0, tf.float64))
+
+
 def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
   """Σ_u clip(∇ℓ_u) by ghost norms and book-keeping; raises :class:`Unsupported`.
 
@@ -334,8 +358,10 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
   norms = tf.sqrt(tf.add_n(sq))
   ok = tf.math.is_finite(norms)
   weight_dtype = unit_losses.dtype
+  shrink = _float32_sums(rules, deltas, scales, tf.shape(unit_losses)[0])
+  clip = lambda c: c if shrink is None else tf.cast(c, tf.float64) / shrink
   if spec.layer_clips is None:
-    factors = clipping.clip_factors(norms, spec.l2_norm_clip,
+    factors = clipping.clip_factors(norms, clip(spec.l2_norm_clip),
                                     spec.automatic_gamma)
     weights = [tf.cast(factors, weight_dtype)] * len(params)
     was_clipped = factors < 1.0
@@ -345,7 +371,7 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
           f"{len(spec.layer_clips)} per-layer clip norms for {len(params)} "
           "trainable variables: give one per variable.")
     # A unit is dropped whole if any of its tensors is not finite.
-    factors = [tf.where(ok, clipping.clip_factors(tf.sqrt(s), c,
+    factors = [tf.where(ok, clipping.clip_factors(tf.sqrt(s), clip(c),
                                                   spec.automatic_gamma),
                         tf.zeros_like(s)) for s, c in zip(sq, spec.layer_clips)]
     weights = [tf.cast(f, weight_dtype) for f in factors]

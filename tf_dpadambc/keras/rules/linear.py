@@ -18,6 +18,16 @@ class Linear(base.Rule):
     self.variables = [layer.kernel] + (
         [layer.bias] if base.has_bias(layer) else [])
     self._cache = None
+    # Set by keras.ghost.clipped_sum where the units were clipped for the
+    # chunked float32 sum: a boolean tensor, None for float64.
+    self.float32_sum = None
+
+  def float32_max_units(self, deltas):
+    """The most units for which the kernel's sum may be book-kept in
+    float32 chunks (``ghost.float32_max_units``; 0: never)."""
+    a, d, _ = self._shared(deltas)
+    return ghost.float32_max_units(a.shape[1], a.shape[2], d.shape[2],
+                                   a.dtype)
 
   def features(self, inputs, delta):
     """(a [N, T, p], δ [N, T, d]) of one call's merged rows: the two sides
@@ -75,6 +85,10 @@ class Linear(base.Rule):
     if shared is not None:
       return self.kernel_shape_grad(ghost.shared_grad(shared, weights,
                                                       a.dtype))
+    if self.float32_sum is not None:
+      return self.kernel_shape_grad(tf.cond(
+          self.float32_sum, lambda: ghost.chunked_linear_grad(a, d, weights),
+          lambda: ghost.linear_grad(a, d, weights)))
     return self.kernel_shape_grad(ghost.linear_grad(a, d, weights))
 
   def grads(self, deltas, weights):
