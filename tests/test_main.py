@@ -261,7 +261,7 @@ def test_defaults_and_seeds():
   assert args.optimizers == list(main_lib.OPTIMIZERS)
   assert (args.epsilon, args.delta, args.seeds, args.sampling) == (
       main_lib.DEFAULT_EPSILON, 1e-5, main_lib.DEFAULT_SEEDS, "poisson")
-  assert args.seeds >= 3 and args.jit_compile
+  assert args.seeds >= 3 and args.jit_compile == main_lib.JIT_COMPILE
   quick = main_lib.parse_args(["--quick"])
   assert quick.seeds == main_lib.QUICK_SEEDS and not quick.jit_compile
   # Replicates differ in weights, batches and noise; secret unless given.
@@ -302,7 +302,7 @@ def test_main_quick_runs_seeds_and_prints_a_verdict(capsys):
                    "--verbose", "0"]) == 0
   out = capsys.readouterr().out
   assert "Task: synthetic sentiment classification" in out
-  assert "Model: word-embedding classifier" in out
+  assert "Model: transformer classifier" in out
   assert "ε in plain words" in out
   for name in main_lib.OPTIMIZERS:
     row = next(line for line in out.splitlines() if line.startswith(name))
