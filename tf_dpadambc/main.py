@@ -96,7 +96,8 @@ JIT_COMPILE = False
 # 15 .749, 30 .491. DPAdam's outcomes are bimodal (the attention to the
 # negator is learnt or not), hence the replicates — and the 5 seeds of the
 # default: one default run at 3 seeds gave DPAdamBC − DPAdam +9.0 [−10.6,
-# +28.5]; at 5 seeds +11.3 [+6.7, +15.9] (92.9 / 81.6 / 62.0). At ε = 3
+# +28.5]; at 5 seeds +11.3 [+6.7, +15.9] (92.9 / 81.6 / 62.0), and again
+# +10.0 [+6.7, +13.3] (92.6 / 82.6 / 59.6) with fresh seeds. At ε = 3
 # (5 seeds): +14.4 [−5.2, +33.9], DPAdam at chance on one seed.
 # Why DPAdamBC wins here: DPAdam's v̂/Φ per weight (one run, lr 0.1) is
 # 1.0-1.2 on the attention and feed-forward kernels (mean; median 1.0),
