@@ -89,6 +89,44 @@ def test_synthetic_sentiment_task_is_deterministic_noisy_binary():
       seed=4, num_train=2000, num_test=500).x_train)
 
 
+def test_synthetic_negation_task_needs_the_negator():
+  a = datasets.load_synthetic_negation(seed=3, num_train=4000, num_test=500)
+  b = datasets.load_synthetic_negation(seed=3, num_train=4000, num_test=500)
+  assert a.x_train.shape == (4000, 16) and a.x_train.dtype == np.int32
+  assert a.name == "synthetic-negation"
+  assert set(np.unique(a.y_train)) == {0, 1} and 0.4 < a.y_train.mean() < 0.6
+  assert 0 <= a.x_train.min() and a.x_train.max() < 504
+  np.testing.assert_array_equal(a.x_train, b.x_train)
+  np.testing.assert_array_equal(a.y_test, b.y_test)
+  assert not np.array_equal(a.x_train, datasets.load_synthetic_negation(
+      seed=4, num_train=4000, num_test=500).x_train)
+  # The label is the majority polarity of the sentiment words (ids
+  # 400..499), flipped by a negator (ids 500..503), then 5% label noise.
+  vectors = datasets.negation_embeddings(seed=3)
+  assert vectors.shape == (504, 32) and vectors.dtype == np.float32
+  polarity = np.sign(vectors[400:500] @ _sentiment_direction(vectors))
+  x = a.x_train
+  sentiment = np.where((x >= 400) & (x < 500), polarity[np.clip(x - 400, 0,
+                                                                99)], 0)
+  negated = np.any(x >= 500, axis=1)
+  rule = np.mean(((sentiment.sum(axis=1) > 0) ^ negated) == a.y_train)
+  assert 0.93 < max(rule, 1 - rule) < 0.97  # (the direction's sign: either)
+  # Polarity alone, without the negator: chance.
+  alone = np.mean((sentiment.sum(axis=1) > 0) == a.y_train)
+  assert abs(alone - 0.5) < 0.05
+  # Outlier dimensions: about ±3 for every word, the others ≈ 0.2.
+  assert np.all(np.abs(vectors[:, :2]) > 1.5)
+  assert np.abs(vectors[:, 2:]).mean() < 0.5
+
+
+def _sentiment_direction(vectors):
+  """The direction that separates the sentiment words: their top principal
+  component (outlier dimensions left out)."""
+  words = vectors[400:500].copy()
+  words[:, :2] = 0
+  return np.linalg.svd(words - words.mean(0))[2][0]
+
+
 def test_verdict_explains_dpadam_with_signal_in_v_hat():
   pairs = {("DPAdam", "DPSGD"): main_lib.Interval(0.07, 0.06, 0.08, 5)}
   text = main_lib.verdict(pairs, {"DPAdam": {"dp_v_over_phi": 2.8}})
@@ -223,7 +261,7 @@ def test_defaults_and_seeds():
   assert args.optimizers == list(main_lib.OPTIMIZERS)
   assert (args.epsilon, args.delta, args.seeds, args.sampling) == (
       main_lib.DEFAULT_EPSILON, 1e-5, main_lib.DEFAULT_SEEDS, "poisson")
-  assert args.seeds >= 3 and args.jit_compile
+  assert args.seeds >= 3 and args.jit_compile == main_lib.JIT_COMPILE
   quick = main_lib.parse_args(["--quick"])
   assert quick.seeds == main_lib.QUICK_SEEDS and not quick.jit_compile
   # Replicates differ in weights, batches and noise; secret unless given.
@@ -264,7 +302,7 @@ def test_main_quick_runs_seeds_and_prints_a_verdict(capsys):
                    "--verbose", "0"]) == 0
   out = capsys.readouterr().out
   assert "Task: synthetic sentiment classification" in out
-  assert "Model: word-embedding classifier" in out
+  assert "Model: transformer classifier" in out
   assert "ε in plain words" in out
   for name in main_lib.OPTIMIZERS:
     row = next(line for line in out.splitlines() if line.startswith(name))

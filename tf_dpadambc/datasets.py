@@ -10,7 +10,11 @@
   task, on which DPAdamBC, DPAdam and DPSGD tie.
 * :func:`load_synthetic_sentiment` generates a sentiment task (token ids,
   Zipfian vocabulary, every word a polarity that grows as the word gets
-  rarer): the main job's task.
+  rarer): the main job's second task, on which DPAdamBC and DPAdam tie.
+* :func:`load_synthetic_negation` generates a negation task (token ids;
+  a negator anywhere in the sentence flips the sentiment words) and
+  :func:`negation_embeddings` its frozen "pretrained" word vectors: the main
+  job's task.
 
 Every loader returns a :class:`Dataset` with float32 ``x`` and int32 ``y``.
 """
@@ -168,6 +172,101 @@ def load_synthetic_sentiment(seed=0, num_train=50_000, num_test=10_000,
   return Dataset(x_train.astype(np.int32), y_train.astype(np.int32),
                  x_test.astype(np.int32), y_test.astype(np.int32),
                  "synthetic-sentiment")
+
+
+def _negation_vocabulary(seed, num_filler, num_sentiment):
+  """(polarity of each sentiment word, Zipfian word probabilities of the
+  filler and of the sentiment words): the vocabulary both the documents and
+  the embeddings of the negation task derive from."""
+  rng = np.random.default_rng([seed, 1])
+  polarity = np.where(rng.permutation(num_sentiment) % 2 == 0, 1.0, -1.0)
+  def zipf(n):
+    p = 1.0 / np.arange(1, n + 1)
+    return p / p.sum()
+  return polarity, zipf(num_filler), zipf(num_sentiment)
+
+
+def load_synthetic_negation(seed=0, num_train=50_000, num_test=10_000,
+                            length=16, num_filler=400, num_sentiment=100,
+                            num_negators=4, negation_rate=0.5,
+                            label_noise=0.05):
+  """A synthetic sentiment task with negation, generated locally in NumPy.
+
+  Vocabulary (token ids in this order): ``num_filler`` neutral words,
+  ``num_sentiment`` sentiment words (half positive, half negative), and
+  ``num_negators`` negators ("not", "never", ...); filler and sentiment
+  words are Zipfian (rank r ∝ 1/r). Each document is ``length`` filler words
+  in which 1 or 3 sentiment words are placed at random positions and, with
+  probability ``negation_rate``, one negator at another random position.
+  Its label is 1 when the majority polarity of its sentiment words is
+  positive, flipped when the document holds a negator, then flipped with
+  probability ``label_noise`` (the best possible accuracy is 1 −
+  ``label_noise``, 95% with the defaults).
+
+  No bag of words solves it: a sentiment word means the opposite in a
+  negated document, so the model has to relate each sentiment word to the
+  negator elsewhere in the sentence — token interactions, what attention
+  does (an SNLI-like task in miniature). Pair it with the frozen word
+  vectors of :func:`negation_embeddings` (same ``seed`` and vocabulary
+  sizes). ``x``: int32 ``[N, length]``, ``y`` in {0, 1}.
+  """
+  polarity, p_filler, p_sentiment = _negation_vocabulary(
+      seed, num_filler, num_sentiment)
+  rng = np.random.default_rng([seed, 2])
+
+  def documents(n):
+    x = rng.choice(num_filler, size=(n, length), p=p_filler)
+    count = rng.choice([1, 3], size=n)
+    positions = np.argsort(rng.random((n, length)), axis=1)
+    score = np.zeros(n)
+    for j in range(3):
+      used = count > j
+      word = rng.choice(num_sentiment, size=n, p=p_sentiment)
+      x[used, positions[used, j]] = num_filler + word[used]
+      score += used * polarity[word]
+    negated = rng.random(n) < negation_rate
+    x[negated, positions[negated, 3]] = (
+        num_filler + num_sentiment
+        + rng.integers(0, num_negators, int(negated.sum())))
+    y = (score > 0) ^ negated ^ (rng.random(n) < label_noise)
+    return x.astype(np.int32), y.astype(np.int32)
+
+  x_train, y_train = documents(num_train)
+  x_test, y_test = documents(num_test)
+  return Dataset(x_train, y_train, x_test, y_test, "synthetic-negation")
+
+
+def negation_embeddings(seed=0, dim=32, num_filler=400, num_sentiment=100,
+                        num_negators=4, cue_scale=1.0, outlier_dims=2,
+                        outlier_scale=3.0):
+  """Frozen "pretrained" word vectors for :func:`load_synthetic_negation`:
+  float32 ``[vocabulary, dim]``, for a non-trainable Embedding.
+
+  Every word a random vector (N(0, 1/dim) entries); sentiment words also
+  ± ``cue_scale`` times a "sentiment" direction (the sign of their
+  polarity), negators ``cue_scale`` times a "negation" direction — the
+  meaningful directions a pretrained embedding has. The first
+  ``outlier_dims`` coordinates are outlier dimensions: about
+  ± ``outlier_scale`` for every word (±10%), far above the others (≈
+  0.18), as in the hidden states of pretrained transformers (Kovaleva et
+  al. 2021, "BERT busters"). They carry no information, but the weights
+  that read them get gradients an order of magnitude larger than the
+  weights that read the cues: the gradient-scale heterogeneity that Adam's
+  per-coordinate scaling removes and SGD's single learning rate does not.
+  """
+  polarity, _, _ = _negation_vocabulary(seed, num_filler, num_sentiment)
+  rng = np.random.default_rng([seed, 3])
+  vocab = num_filler + num_sentiment + num_negators
+  vectors = rng.normal(0.0, 1.0, (vocab, dim)) / np.sqrt(dim)
+  sentiment, negation = rng.normal(0.0, 1.0, (2, dim)) / np.sqrt(dim)
+  vectors[num_filler:num_filler + num_sentiment] += (
+      cue_scale * polarity[:, None] * sentiment)
+  vectors[num_filler + num_sentiment:] += cue_scale * negation
+  if outlier_dims:
+    signs = rng.choice([-1.0, 1.0], outlier_dims)
+    vectors[:, :outlier_dims] = outlier_scale * signs * (
+        1.0 + 0.1 * rng.normal(0.0, 1.0, (vocab, outlier_dims)))
+  return vectors.astype(np.float32)
 
 
 LOADERS = {"mnist1d": load_mnist1d, "digits": load_digits}
