@@ -216,9 +216,10 @@ def run_epsilon(optimizer, num_examples, delta, steps=None):
 
 
 def add_training_arguments(parser, epsilon=8.0, epochs_default=None,
-                           batch_default=None):
+                           batch_default=None, jit_default=None):
   """The flags the main job and ``compare`` share (all but the data set);
-  ``epochs_default``, ``batch_default``: their defaults, in words."""
+  ``epochs_default``, ``batch_default``, ``jit_default``: their defaults,
+  in words."""
   epochs_default = epochs_default or ", ".join(
       f"{c.epochs} for {name}" for name, c in DEFAULTS.items())
   batch_default = batch_default or ", ".join(
@@ -267,9 +268,10 @@ def add_training_arguments(parser, epsilon=8.0, epochs_default=None,
                            "everything works (numbers meaningless)")
   parser.add_argument("--jit-compile", action=argparse.BooleanOptionalAction,
                       default=None,
-                      help="compile the train step with XLA (default: on; "
-                           "off with --quick, where compiling would take "
-                           "longer than training)")
+                      help="compile the train step with XLA (default: "
+                           + (jit_default or "on; off with --quick, where "
+                              "compiling would take longer than training")
+                           + ")")
   parser.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2),
                       help="Keras fit verbosity: 0 silent, 1 progress bar, "
                            "2 one line per epoch (default: %(default)s)")
