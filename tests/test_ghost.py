@@ -702,15 +702,21 @@ def _wide_mlp():  # a 256 x 128 kernel: the chunked float32 sum
                            keras.layers.Dense(3)])
 
 
+def _wide_limit():
+  """L, the most units the 256 x 128 kernel's float32 sum takes."""
+  return ghost.float32_max_units(1, 256, 128, tf.float32)
+
+
 @pytest.mark.parametrize("case", ["float32", "too many units", "stp"])
 def test_float32_sums_clip_at_the_shrunk_norm(case, monkeypatch):
-  """Where a T = 1 layer's sum is book-kept in float32 chunks, every unit is
-  clipped at C/(1 + 2γU) (float32_clip_shrink), which pays for the
-  rounding: the sum equals the per-example reference clipped there, and
-  the clipped norms are below it. Above the layer's unit limit, or with a
-  scale-then-privatize preconditioner, the float64 sums clip at C."""
+  """Where a model has a T = 1 layer whose sum may be book-kept in float32
+  chunks, every unit is clipped at C/(1 + 2γL) (float32_clip_shrink of the
+  layer's unit limit L, not of the batch's U), which pays for the rounding:
+  the sum equals the per-example reference clipped there, and the clipped
+  norms are below it. Above the limit the float64 sums clip at the same
+  C/(1 + 2γL); with a scale-then-privatize preconditioner at C."""
   if case == "too many units":
-    monkeypatch.setattr(ghost, "FLOAT32_MAX_SHRINK", 2.0 ** -16)
+    monkeypatch.setattr(ghost, "FLOAT32_MAX_SHRINK", 2.0 ** -13)
   model = _wide_mlp()
   rng = np.random.default_rng(19)
   units, clip = 40, 0.05
@@ -720,18 +726,50 @@ def test_float32_sums_clip_at_the_shrunk_norm(case, monkeypatch):
   if case == "stp":
     scale = [tf.constant(rng.uniform(0.5, 2.0, v.shape), tf.float32)
              for v in model.trainable_variables]
-  shrink = float(ghost.float32_clip_shrink(units)) if case == "float32" else 1.0
-  assert shrink > 1.0 + 1e-4 or case != "float32"
+  limit = _wide_limit()
+  assert (limit < units) == (case == "too many units") and limit > 0
+  shrink = 1.0 if case == "stp" else float(ghost.float32_clip_shrink(limit))
+  assert shrink > 1.0 + 1e-4 or case == "stp"
   result = ghost_sum(model, x, y, None, clipping.ClipSpec(clip, scale=scale),
                      None)
   expected = reference(model, x, y, None,
                        clipping.ClipSpec(clip / shrink, scale=scale), None)
   assert int(expected.num_clipped) == units  # every unit clipped
   assert_same(result, expected)
-  # Against the unshrunk clip every entry differs by 1 + 2γU (by 1 on the
-  # float64 paths): finer than assert_same's tolerance.
+  # Against the unshrunk clip every entry differs by 1 + 2γL (by 1 with
+  # STP): finer than assert_same's tolerance.
   unshrunk = reference(model, x, y, None, clipping.ClipSpec(clip, scale=scale),
                        None)
   for got, want in zip(result.grads, unshrunk.grads):
     ratio = np.asarray(want) / np.asarray(got)
     np.testing.assert_allclose(np.median(ratio), shrink, rtol=2e-6)
+
+
+def test_float32_shrink_is_the_same_for_neighbouring_batch_sizes(monkeypatch):
+  """Regression: the shrink was 1 + 2γU of the batch's own U, and 1 above
+  the limit L, so neighbouring batches (U = L in float32, U = L + 1 in
+  float64) clipped their common units at different norms, and their sums
+  differed by up to ≈ L·C·2γL, not C. Batches of L − 1, L and L + 1 units
+  now all clip at C/(1 + 2γL), and adding a unit moves the sum by at most
+  C."""
+  monkeypatch.setattr(ghost, "FLOAT32_MAX_SHRINK", 2.0 ** -14)
+  limit = _wide_limit()
+  assert 2 < limit < 30
+  model = _wide_mlp()
+  rng = np.random.default_rng(23)
+  clip = 0.05
+  x = np.repeat(rng.normal(size=(1, 256)), limit + 1, 0).astype(np.float32)
+  y = np.zeros(limit + 1, np.int64)  # all units alike: their shares add up
+  shrink = float(ghost.float32_clip_shrink(limit))
+  sums = {}
+  for units in (limit - 1, limit, limit + 1):
+    result = ghost_sum(model, x[:units], y[:units], None,
+                       clipping.ClipSpec(clip), None)
+    expected = reference(model, x[:units], y[:units], None,
+                         clipping.ClipSpec(clip / shrink), None)
+    assert_same(result, expected)
+    sums[units] = np.concatenate([np.ravel(np.asarray(g, np.float64))
+                                  for g in result.grads])
+  for units in (limit, limit + 1):
+    step = np.linalg.norm(sums[units] - sums[units - 1])
+    assert step <= clip, (units, step / clip)

@@ -26,6 +26,7 @@ Scale-then-privatize clips s ⊙ ∇W_u; for T = 1 the norm stays a product:
 the per-unit gradients are materialized.
 """
 import math
+import os
 
 import tensorflow as tf
 
@@ -239,12 +240,25 @@ def float32_rounding():
   return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
 
 
-def float32_clip_shrink(num_units):
-  """1 + 2γU: with every unit clipped at C/(1 + 2γU) and its share summed
-  with error ≤ γ·Σ_u‖x_u‖ ≤ γU·C/(1 + 2γU), adding or removing a unit moves
-  the computed sum by at most C/(1+2γU)·(1 + 2γU) = C: the sensitivity the
-  noise is calibrated to, exactly, with the rounding included."""
-  return 1.0 + 2.0 * float32_rounding() * tf.cast(num_units, tf.float64)
+def float32_clip_shrink(max_units):
+  """1 + 2γL for a model whose float32 sums take at most L units: with
+  every unit clipped at C' = C/(1 + 2γL) and each batch's rounding at most
+  γ·Σ_u‖x_u‖ ≤ γ·min(U, L)·C', adding or removing a unit moves the computed
+  sum by at most C'(1 + 2γL) = C: the sensitivity the noise is calibrated
+  to, with the rounding included. L must not depend on the batch
+  (``keras.ghost._float32_sums``)."""
+  return tf.constant(1.0 + 2.0 * float32_rounding() * float(max_units),
+                     tf.float64)
+
+
+def _reduced_cpu_matmul_precision():
+  """True where oneDNN may run float32 products in a lower precision
+  (``ONEDNN_DEFAULT_FPMATH_MODE`` or TensorFlow's
+  ``TF_SET_ONEDNN_FPMATH_MODE`` set to anything but STRICT: bf16, tf32 …),
+  whose rounding γ does not bound."""
+  return any(os.environ.get(name, "STRICT").strip().upper() not in (
+      "", "STRICT") for name in ("ONEDNN_DEFAULT_FPMATH_MODE",
+                                 "TF_SET_ONEDNN_FPMATH_MODE"))
 
 
 def float32_max_units(positions, fan_in, fan_out, dtype):
@@ -259,6 +273,8 @@ def float32_max_units(positions, fan_in, fan_out, dtype):
     return 0
   if tf.config.experimental.tensor_float_32_execution_enabled() and (
       tf.config.list_logical_devices("GPU")):
+    return 0
+  if _reduced_cpu_matmul_precision():
     return 0
   by_rounding = int(FLOAT32_MAX_SHRINK / (2.0 * float32_rounding()))
   by_memory = FLOAT32_CHUNK * (FLOAT32_MAX_PARTIAL_BYTES

@@ -257,24 +257,33 @@ class _Recorder:
 def _float32_sums(rules, deltas, scales, num_units):
   """Switches the T = 1 layers that allow this many units to chunked float32
   sums (``core.ghost.chunked_linear_grad``, several times faster than the
-  float64 product on the CPU) and returns the clip shrink 1 + 2γU that pays
-  for their rounding (``core.ghost.float32_clip_shrink``), or None where no
-  layer can (and with a scale-then-privatize preconditioner, whose scaled
-  norms do not bound the unscaled sum's rounding)."""
+  float64 product on the CPU) and returns the clip shrink that pays for
+  their rounding, or None where no layer is eligible (and with a
+  scale-then-privatize preconditioner, whose scaled norms do not bound the
+  unscaled sum's rounding).
+
+  The shrink is 1 + 2γL (``core.ghost.float32_clip_shrink``) with L the
+  largest unit limit among the eligible layers — a constant of the model,
+  not of this batch's U. U is the realized number of rows, which under
+  add/remove adjacency differs between neighbouring batches (unpadded
+  Poisson batches, a last partial batch): a shrink of 1 + 2γU would clip
+  every other unit differently in the two, and at U = L + 1 (float64, no
+  shrink) against U = L (float32, 1 + 2γL) it moved the sum by up to
+  L·C·2γL/(1 + 2γL) ≈ 14C. With one shrink for every U, unit u changes the
+  computed sum by at most C' plus both batches' rounding, each
+  γ·min(U, L)·C' (0 where every sum is float64): ≤ C'(1 + 2γL) = C."""
   if scales is not None:
     return None
-  uses = []
+  limits = []
   for rule, d in zip(rules, deltas):
     limit = (rule.float32_max_units(d) if rule.calls and hasattr(
         rule, "float32_max_units") else 0)
     if limit > 0:
       rule.float32_sum = num_units <= limit
-      uses.append(rule.float32_sum)
-  if not uses:
+      limits.append(limit)
+  if not limits:
     return None
-  return tf.where(tf.reduce_any(tf.stack(uses)),
-                  core_ghost.float32_clip_shrink(num_units),
-                  tf.constant(1.0, tf.float64))
+  return core_ghost.float32_clip_shrink(max(limits))
 
 
 def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
