@@ -49,6 +49,23 @@ def test_standard_normal_moments_tails_and_ks():
   assert stats.kstest(r2, "expon", args=(0, 2)).pvalue > 1e-3
 
 
+def test_standard_normal_is_box_muller_of_its_philox_words():
+  """Each pair is (r sin 2πu₂, r cos 2πu₂) of the same two Philox words,
+  the sines filling the first ⌈n/2⌉ coordinates: against a float64 NumPy
+  transform of the words (float32 rounding and the 1e-7 polynomials)."""
+  n = 10_001
+  z = _xla(lambda s: noise.standard_normal([n], s), SEED).numpy()
+  words = tf.random.stateless_uniform(
+      [2, (n + 1) // 2], seed=SEED, minval=None, maxval=None,
+      dtype=tf.uint32, alg="philox").numpy().astype(np.float64)
+  u1 = (words[0] + 0.5) * 2.0**-32
+  u2 = np.floor(words[1] / 2**8) * 2.0**-24
+  r = np.sqrt(-2 * np.log(u1))
+  want = np.concatenate([r * np.sin(2 * np.pi * u2),
+                         r * np.cos(2 * np.pi * u2)])[:n]
+  np.testing.assert_allclose(z, want, rtol=0, atol=1e-5)
+
+
 def test_radius_is_not_clamped():
   """u₁ = (w + ½)·2⁻³² > 0: no atom at a clamped radius; the largest radius
   is √(2·33·ln 2) ≈ 6.76 (at u₁ = 2⁻³³)."""
