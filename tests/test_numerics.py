@@ -125,3 +125,38 @@ def test_guarded_norms_fall_back_to_the_triangle_bound():
   d = rng.normal(size=(2, 5, 3)).astype("float32")
   want = np.sum(np.einsum("utp,utd->upd", a, d) ** 2, axis=(1, 2))
   np.testing.assert_allclose(ghost.linear_sq_norms(a, d), want, rtol=1e-5)
+
+
+def test_guard_keeps_only_norms_within_2_to_the_minus_21():
+  """A kept squared norm is at least GUARD_MARGIN = 2²¹ times its worst-case
+  float64 rounding error terms·2⁻⁵³·bound², so it is within 2⁻²¹ of the true
+  one; just below that the unit takes the bound (a margin of 1000 kept it,
+  and a norm up to 5·10⁻⁴ low). Ordinary long-sequence units keep their
+  exact ghost norm."""
+  terms, bound = 4352, np.array([3.0, 3.0])
+  threshold = ghost.GUARD_MARGIN * terms * 2.0**-53 * bound[0] ** 2
+  assert ghost.GUARD_MARGIN >= 2.0**21
+  sq = np.array([0.99, 1.01]) * threshold
+  got = ghost.guarded(tf.constant(sq), tf.constant(bound), terms).numpy()
+  assert got[0] == bound[0] ** 2 and got[1] == sq[1]
+  rng = np.random.default_rng(2)  # T = 64, p = d = 128: the Gram path
+  a = rng.normal(size=(3, 64, 128)).astype("float32")
+  d = rng.normal(size=(3, 64, 128)).astype("float32")
+  assert ghost.prefer_ghost(64, 128, 128)
+  want = np.sum(np.einsum("utp,utd->upd", a.astype(np.float64),
+                          d.astype(np.float64)) ** 2, axis=(1, 2))
+  np.testing.assert_allclose(ghost.linear_sq_norms(a, d), want, rtol=1e-9)
+
+
+def test_weighted_sums_of_materialized_gradients_accumulate_in_float64():
+  """Σ_u w_u g_u of float32 per-unit gradients is summed in float64: units
+  that cancel leave the small one exactly (a float32 sum loses it), and a
+  zero-weight unit with NaN adds exactly 0."""
+  g = np.array([[2.0**25, 1.0], [1.0, 1.0], [-(2.0**25), 1.0], [np.nan, 1.0]],
+               np.float32)
+  w = np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+  for jit in (False, True):
+    got = tf.function(ghost.weighted_sum, jit_compile=jit)(
+        tf.constant(g), tf.constant(w)).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, [1.0, 3.0])
