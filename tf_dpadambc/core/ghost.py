@@ -220,8 +220,14 @@ def linear_grad(a, delta, weights):
   # add to a unit's contribution beyond C.
   a64, delta64 = tf.cast(a, tf.float64), tf.cast(delta, tf.float64)
   keep = weights != 0
-  grad = tf.einsum("utp,utd->pd", masked(a64, keep), masked(delta64, keep)
-                   * tf.cast(weights, tf.float64)[:, None, None])
+  # [U·T, p]ᵀ [U·T, d] as one product with a transposed operand: XLA copies
+  # both into a transposed float64 layout for the einsum "utp,utd->pd"
+  # (CIFAR CNN5's layers: 13–50% slower); the same sum, bitwise here.
+  rows = lambda t: tf.reshape(t, [-1, tf.shape(t)[2]])
+  grad = tf.matmul(rows(masked(a64, keep)),
+                   rows(masked(delta64, keep)
+                        * tf.cast(weights, tf.float64)[:, None, None]),
+                   transpose_a=True)
   return tf.cast(grad, a.dtype)
 
 
