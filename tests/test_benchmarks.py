@@ -67,3 +67,28 @@ def test_jax_privacy_rows_are_compared_within_their_framework():
                    "3.0 vs 5.0 ms (1.67x)"]
   results[-1]["ms_per_step"] = 2.5
   assert suite.targets(results, [256])[1].startswith("MISS DPAdamBC faster")
+
+
+def test_profile_step_names_each_thunk_by_its_tensorflow_op(tmp_path):
+  """benchmarks/profile_step.py reads the TensorFlow op of each XLA thunk
+  from the largest train-step module's optimized HLO."""
+  import profile_step  # pylint: disable=import-outside-toplevel
+  hlo = tmp_path / "hlo"
+  hlo.mkdir()
+  text = (
+      '  %Einsum.0 = f32[8,784,128]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, '
+      'metadata={op_type="Einsum" op_name="cond_1/einsum/Einsum"}\n'
+      '  ROOT %multiply_add_fusion.3 = f32[784,128]{1,0} fusion(%x), '
+      'kind=kLoop, metadata={op_type="AddV2" op_name="DPAdamBC/add_2"}\n'
+      '  %copy.1 = f32[10]{0} copy(%y)\n')
+  (hlo / "m.a_inference_one_step_on_data_1.cpu_after_optimizations.txt"
+   ).write_text(text)
+  (hlo / "m.small_one_step_on_data_2.cpu_after_optimizations.txt"
+   ).write_text("%Einsum.0 = f32[1] dot()\n")
+  names = profile_step._op_names(  # pylint: disable=protected-access
+      str(hlo), {"Einsum.0", "multiply_add_fusion.3", "copy.1", "absent"})
+  assert names["Einsum.0"] == (
+      "f32[8,784,128]{2,1,0}  Einsum cond_1/einsum/Einsum")
+  assert names["multiply_add_fusion.3"].endswith("AddV2 DPAdamBC/add_2")
+  assert names["copy.1"] == "f32[10]{0}"
+  assert "absent" not in names
