@@ -30,11 +30,16 @@ def moment_statistics(v_hat, phi, floor=None):
   """:class:`MomentStatistics` of one tensor's v̂ against its noise bias Φ."""
   v_hat = tf.cast(v_hat, tf.float32)
   phi = tf.cast(phi, tf.float32)
-  ratio = v_hat / tf.maximum(phi, 1e-38)
+  if phi.shape.rank == 0:
+    # One Φ for the tensor (every optimizer here): Σ v̂/Φ = (Σ v̂)/Φ, without
+    # a full-size quotient on every step (≈5% of an embedding-bag step).
+    ratio_sum = tf.reduce_sum(v_hat) / tf.maximum(phi, 1e-38)
+  else:
+    ratio_sum = tf.reduce_sum(v_hat / tf.maximum(phi, 1e-38))
   clamped = (tf.reduce_sum(tf.cast(v_hat - phi < floor, tf.float32))
              if floor is not None else tf.constant(0.0))
   return MomentStatistics(
-      tf.reduce_sum(ratio), clamped,
+      ratio_sum, clamped,
       tf.reduce_sum(tf.cast(v_hat < 0, tf.float32)),
       tf.cast(tf.size(v_hat), tf.float32))
 
