@@ -311,3 +311,70 @@ def test_the_tf_keras_adapter_refuses_mixed_precision_clearly(name):
   x = np.zeros((8, 3), "float32")
   with pytest.raises(ValueError, match="does not support mixed precision"):
     model.fit(x, np.zeros(8, "int32"), batch_size=4, verbose=0)
+
+
+PURE = ["float16", "bfloat16"]
+
+
+@pytest.mark.filterwarnings("ignore:Per-example computation")
+@pytest.mark.parametrize("method", ["ghost", "vectorized"])
+@pytest.mark.parametrize("name", PURE)
+def test_pure_low_precision_sums_stay_float32_until_the_noise(name, method):
+  """float16/bfloat16 variables (a pure low-precision policy): the clipped
+  sum is held in float32 until the noise is added. Rounded to the variables'
+  dtype first (as it was), a sum of U units moved by up to U·2⁻¹¹·C or
+  U·2⁻⁸·C: with these identical units, adding one moved the ghost sum by up
+  to 1.03C (float16) and 1.24C (bfloat16) over U = 64–72 and 250–259. Now
+  each added unit moves the sum by C (to float32 rounding)."""
+  with policy(name):
+    model = keras.Sequential([keras.Input((7,)),
+                              keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(3)])
+  assert model.trainable_variables[0].dtype == name
+  model.compile(loss=LOSS)
+  c = 0.05
+  step = tf.function(lambda x, y: training.private_gradient_sum(
+      model, x, y, None, c, None, method)[0])
+  x = np.repeat(30 * np.random.default_rng(3).normal(size=(1, 7)), 80,
+                0).astype("float32")
+  y = np.ones(80, "int32")
+  sums = {}
+  for units in range(64, 73):
+    result = step(x[:units], y[:units])
+    assert all(g.dtype == tf.float32 for g in result.grads)
+    sums[units] = np.concatenate([np.ravel(g.numpy().astype("float64"))
+                                  for g in result.grads])
+  for units in range(65, 73):
+    moved = np.linalg.norm(sums[units] - sums[units - 1])
+    assert moved <= c * (1 + 1e-5), (units, moved / c)
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_pure_low_precision_fit_applies_a_float32_noisy_mean(name):
+  """One DPSGD step on zero gradients moves a float16/bfloat16 kernel by
+  −noise/B rounded once to its dtype: std σC/B."""
+  with policy(name):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+        5000, use_bias=False, kernel_initializer="zeros")])
+  model = dp.make_private(model)
+  model.compile(optimizer=dp.DPSGD(1.0, 2.0, learning_rate=1.0), loss="mse")
+  model.fit(np.zeros((32, 4), "float32"), np.zeros((32, 5000), "float32"),
+            batch_size=32, epochs=1, verbose=0)
+  kernel = model.trainable_variables[0]
+  assert kernel.dtype == name
+  noise = np.asarray(kernel.numpy(), np.float64)
+  assert abs(np.std(noise) / (2.0 / 32) - 1) < 0.03
+
+
+def test_a_dpquery_refuses_low_precision_variables():
+  pytest.importorskip("tensorflow_privacy")
+  import tensorflow_privacy as tfp  # pylint: disable=import-outside-toplevel
+  with policy("bfloat16"):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  model = dp.make_private(model)
+  query = tfp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.0)
+  model.compile(optimizer=dp.DPAdam(query=query, learning_rate=1e-3),
+                loss="mse")
+  with pytest.raises(ValueError, match="float16/bfloat16"):
+    model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"),
+              batch_size=8, epochs=1, verbose=0)

@@ -170,10 +170,32 @@ def materialized_clipped_sum(per_unit_grads, clip):
                for c in clipped]
     norms = per_unit_global_norms(per_unit_grads)
     was_clipped = tf.reduce_any(tf.stack([p[2] for p in parts]), axis=0)
-  squares = ([tf.reduce_sum(tf.square(c), axis=0) for c in clipped]
+  squares = ([_sum_over_units(tf.square(c)) for c in clipped]
              if spec.square_sum else None)
-  return _summary([tf.reduce_sum(c, axis=0) for c in clipped], norms,
+  return _summary([_sum_over_units(c) for c in clipped], norms,
                   was_clipped, ok, square_grads=squares)
+
+
+def _sum_over_units(t):
+  """Σ_u t_u accumulated in float64, in :func:`sum_dtype` of t's: a float32
+  sum of U terms rounds by up to ≈U·2⁻²⁴·Σ_u‖t_u‖, which no unit's clip
+  pays for (as ``core.ghost.weighted_sum``)."""
+  return tf.cast(tf.reduce_sum(tf.cast(t, tf.float64), axis=0),
+                 sum_dtype(t.dtype))
+
+
+def sum_dtype(dtype):
+  """The dtype a clipped sum is held in until the noise is added: the
+  variable's, but at least float32.
+
+  Rounding a sum before the noise is not post-processing: it moves the sum
+  by up to 2⁻ᵖ·Σ_u‖x_u‖ (p: the dtype's significand bits), data-dependently,
+  which the sensitivity C does not cover. For float32 that is ≈U·2⁻²⁴·C;
+  for a float16 or bfloat16 variable (a pure low-precision policy) it was
+  U·2⁻¹¹·C or U·2⁻⁸·C — for 256 units up to 0.125C or 1C more than C. The
+  noisy mean is rounded to the variable's dtype only after."""
+  dtype = tf.as_dtype(dtype)
+  return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
 def clipped_gradient_sum(unit_loss_fn, params, units, clip):

@@ -387,13 +387,15 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
     was_clipped = tf.reduce_any(tf.stack([f < 1.0 for f in factors]), 0)
 
   def collect(method):
-    out = [tf.zeros_like(p) for p in params]
+    # At least float32 until the noise (clipping.sum_dtype).
+    dtypes = [clipping.sum_dtype(p.dtype) for p in params]
+    out = [tf.zeros_like(p, dtype=t) for p, t in zip(params, dtypes)]
     for rule, d in zip(rules, deltas):
       if rule.calls:
         positions = [index[id(v)] for v in rule.variables]
         values = getattr(rule, method)(d, [weights[i] for i in positions])
         for i, g in zip(positions, values):
-          out[i] = tf.cast(g, params[i].dtype)
+          out[i] = tf.cast(g, dtypes[i])
     return out
   grads = collect("grads")
   squares = collect("square_sums") if spec.square_sum else None

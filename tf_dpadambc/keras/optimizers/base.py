@@ -192,6 +192,16 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
           (), initializer="zeros", dtype="int64", name="dp_physical_batches")
     private.build_noise(variables, self.privatizer, self.traits.noise_streams)
     if self.query is not None:
+      low = [v.name for v in variables
+             if clipping.sum_dtype(v.dtype) != tf.as_dtype(v.dtype)]
+      if low:
+        raise ValueError(
+            f"{self.name}: a DPQuery sums and noises its records in the "
+            f"variables' dtype, and {low} are float16/bfloat16: rounding "
+            "the sum there before the noise is not covered by the "
+            "sensitivity. Keep float32 variables (a mixed_float16 or "
+            "mixed_bfloat16 policy), or train without query= (the "
+            "optimizer's own noise is added in float32).")
       query_state = self.query.initial_state(variables)
       arguments.check_query_state(self, query_state)
       private.build_query(self.query, query_state, self.add_variable)

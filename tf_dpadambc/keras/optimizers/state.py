@@ -25,6 +25,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tf_dpadambc.core import clipping
 from tf_dpadambc.core import noise as core_noise
 
 
@@ -78,10 +79,13 @@ class PrivateState:
 
   def build_accumulation(self, variables, square_sums):
     """The pending logical step's clipped sums and counts (k > 1)."""
-    self.accumulated_sums = [self.variable(v.shape, "dp_clipped_sum", v.dtype,
-                                           like=v) for v in variables]
+    # At least float32: the sums are not rounded before the noise.
+    self.accumulated_sums = [
+        self.variable(v.shape, "dp_clipped_sum", clipping.sum_dtype(v.dtype),
+                      like=v) for v in variables]
     self.accumulated_squares = [
-        self.variable(v.shape, "dp_clipped_square_sum", v.dtype, like=v)
+        self.variable(v.shape, "dp_clipped_square_sum",
+                      clipping.sum_dtype(v.dtype), like=v)
         for v in variables] if square_sums else []
     self.accumulated_units = self.variable((), "dp_accumulated_units")
     self.accumulated_examples = self.variable((), "dp_accumulated_examples")
