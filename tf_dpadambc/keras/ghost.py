@@ -366,7 +366,8 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
   sq = [zero if s is None else tf.cast(s, tf.float64) for s in sq]
   norms = tf.sqrt(tf.add_n(sq))
   ok = tf.math.is_finite(norms)
-  weight_dtype = unit_losses.dtype
+  # Never below float32: a bfloat16 factor could round up by 2⁻⁸.
+  weight_dtype = clipping.sum_dtype(unit_losses.dtype)
   shrink = _float32_sums(rules, deltas, scales, tf.shape(unit_losses)[0])
   clip = lambda c: c if shrink is None else tf.cast(c, tf.float64) / shrink
   if spec.layer_clips is None:
