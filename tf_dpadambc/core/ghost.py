@@ -30,6 +30,8 @@ import os
 
 import tensorflow as tf
 
+from tf_dpadambc.core import clipping
+
 
 def group_units(t, num_microbatches=None):
   """[B, ...middle, last] -> [U, T, last]: a unit's positions side by side.
@@ -354,7 +356,9 @@ def broadcast_grads(delta, param_shape):
 
 def weighted_sum(per_unit, weights):
   """Σ_u w_u g_u of materialized per-unit values [U, ...] (0 where w_u = 0),
-  accumulated in float64 and returned in ``per_unit``'s dtype.
+  accumulated in float64 and returned in ``per_unit``'s dtype, at least
+  float32 (``clipping.sum_dtype``: a layer's own float16/bfloat16 gradients
+  are not rounded back to their dtype before the noise).
 
   float64: the sum of U float32 terms rounds by up to ≈U·2⁻²⁴·Σ_u‖w_u g_u‖,
   which no unit's clip pays for; in float64 that is ≈U·2⁻⁵³, like every
@@ -364,7 +368,8 @@ def weighted_sum(per_unit, weights):
   products = (tf.cast(masked(per_unit, keep), tf.float64)
               * tf.reshape(tf.cast(weights, tf.float64),
                            [-1] + [1] * (per_unit.shape.rank - 1)))
-  return tf.cast(tf.reduce_sum(products, axis=0), per_unit.dtype)
+  return tf.cast(tf.reduce_sum(products, axis=0),
+                 clipping.sum_dtype(per_unit.dtype))
 
 
 def _rows_of(ids, vocab_size):
