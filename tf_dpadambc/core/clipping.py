@@ -185,17 +185,20 @@ def _sum_over_units(t):
 
 
 def sum_dtype(dtype):
-  """The dtype a clipped sum is held in until the noise is added: the
-  variable's, but at least float32.
+  """The dtype a clipped sum is held in until the noise is added: float64
+  for floating-point variables.
 
   Rounding a sum before the noise is not post-processing: it moves the sum
   by up to 2⁻ᵖ·Σ_u‖x_u‖ (p: the dtype's significand bits), data-dependently,
-  which the sensitivity C does not cover. For float32 that is ≈U·2⁻²⁴·C;
-  for a float16 or bfloat16 variable (a pure low-precision policy) it was
-  U·2⁻¹¹·C or U·2⁻⁸·C — for 256 units up to 0.125C or 1C more than C. The
-  noisy mean is rounded to the variable's dtype only after."""
+  which the sensitivity C does not cover — ≈U·2⁻²⁴·C in float32 (adding one
+  of 250 identical units moved a float32 sum by 1.00001C), and for float16
+  or bfloat16 variables (a pure low-precision policy) up to 1.03C and 1.24C
+  in the same test. In float64 it is ≈U·2⁻⁵³·C, the precision every norm is
+  computed in. The noise is drawn in the variable's dtype, added in float64,
+  and the noisy mean is rounded to the variable's dtype after
+  (post-processing)."""
   dtype = tf.as_dtype(dtype)
-  return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+  return tf.float64 if dtype.is_floating else dtype
 
 
 def clipped_gradient_sum(unit_loss_fn, params, units, clip):

@@ -188,23 +188,24 @@ def shared_sq_norms(grads, a, delta, scale=None):
   return guarded(sum_squares(grads), bound, terms)
 
 
-def shared_grad(grads, weights, dtype=tf.float32):
-  """Σ_u w_u ĝ_u of :func:`shared_unit_grads`, summed in float64 (0 where
-  w_u = 0), returned in ``dtype``."""
-  return tf.cast(weighted_sum(tf.cast(grads, tf.float64),
-                              tf.cast(weights, tf.float64)), dtype)
+def shared_grad(grads, weights):
+  """Σ_u w_u ĝ_u of :func:`shared_unit_grads`, in float64 (0 where
+  w_u = 0)."""
+  return weighted_sum(tf.cast(grads, tf.float64),
+                      tf.cast(weights, tf.float64))
 
 
-def shared_square_sum(grads, weights, dtype=tf.float32):
+def shared_square_sum(grads, weights):
   """Σ_u w_u² ĝ_u⊙ĝ_u of :func:`shared_unit_grads` (joint moment
-  estimation), in float64, returned in ``dtype``."""
+  estimation), in float64."""
   grads = tf.cast(grads, tf.float64)
-  return tf.cast(weighted_sum(tf.square(grads),
-                              tf.square(tf.cast(weights, tf.float64))), dtype)
+  return weighted_sum(tf.square(grads),
+                      tf.square(tf.cast(weights, tf.float64)))
 
 
 def linear_grad(a, delta, weights):
-  """Σ_u w_u A_uᵀΔ_u = Aᵀ(w ⊙ Δ): [U, T, p], [U, T, d], [U] -> [p, d].
+  """Σ_u w_u A_uᵀΔ_u = Aᵀ(w ⊙ Δ): [U, T, p], [U, T, d], [U] -> [p, d], in
+  float64 (rounded only after the noise: ``clipping.sum_dtype``).
 
   Units with weight 0 add exactly 0, even if their a or δ are not finite.
   Where :func:`linear_sq_norms` materializes the per-unit gradients
@@ -215,8 +216,8 @@ def linear_grad(a, delta, weights):
   positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
   if positions is not None and positions > 1 and not prefer_ghost(
       positions, fan_in, fan_out):
-    return tf.cast(weighted_sum(unit_linear_grads(a, delta),
-                                tf.cast(weights, tf.float64)), a.dtype)
+    return weighted_sum(unit_linear_grads(a, delta),
+                        tf.cast(weights, tf.float64))
   # float64: the sum must carry each unit's A_uᵀΔ_u as exactly as its norm
   # was computed; in float32 the rounding of rows that nearly cancel could
   # add to a unit's contribution beyond C.
@@ -230,7 +231,7 @@ def linear_grad(a, delta, weights):
                    rows(masked(delta64, keep)
                         * tf.cast(weights, tf.float64)[:, None, None]),
                    transpose_a=True)
-  return tf.cast(grad, a.dtype)
+  return grad
 
 
 # Chunked float32 sums of T = 1 layers (chunked_linear_grad): K units per
@@ -327,17 +328,17 @@ def linear_square_sum(a, delta, weights):
   squares); otherwise the per-unit gradients are materialized.
   """
   a, delta = tf.convert_to_tensor(a), tf.convert_to_tensor(delta)
-  dtype, keep = a.dtype, weights != 0
+  keep = weights != 0
   # float64, as the norms (see linear_grad).
   a = masked(tf.cast(a, tf.float64), keep)
   delta = masked(tf.cast(delta, tf.float64), keep)
   weights = tf.cast(weights, tf.float64)
   if a.shape[1] == 1:
-    return tf.cast(tf.matmul(tf.square(a[:, 0]),
-                             tf.square(delta[:, 0] * weights[:, None]),
-                             transpose_a=True), dtype)
-  return tf.cast(weighted_sum(tf.square(tf.einsum("utp,utd->upd", a, delta)),
-                              tf.square(weights)), dtype)
+    return tf.matmul(tf.square(a[:, 0]),
+                     tf.square(delta[:, 0] * weights[:, None]),
+                     transpose_a=True)
+  return weighted_sum(tf.square(tf.einsum("utp,utd->upd", a, delta)),
+                      tf.square(weights))
 
 
 def broadcast_grads(delta, param_shape):
@@ -356,9 +357,7 @@ def broadcast_grads(delta, param_shape):
 
 def weighted_sum(per_unit, weights):
   """Σ_u w_u g_u of materialized per-unit values [U, ...] (0 where w_u = 0),
-  accumulated in float64 and returned in ``per_unit``'s dtype, at least
-  float32 (``clipping.sum_dtype``: a layer's own float16/bfloat16 gradients
-  are not rounded back to their dtype before the noise).
+  in float64 (``clipping.sum_dtype``: rounded only after the noise).
 
   float64: the sum of U float32 terms rounds by up to ≈U·2⁻²⁴·Σ_u‖w_u g_u‖,
   which no unit's clip pays for; in float64 that is ≈U·2⁻⁵³, like every
@@ -570,8 +569,9 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
 
 def embedding_square_sum(ids, delta, weights, vocab_size):
   """Σ_u w_u² ∇E_u⊙∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
-  weights = tf.convert_to_tensor(weights)
-  sums, unit, token = _segments(ids, masked(delta, weights != 0), vocab_size)
+  weights = tf.cast(weights, tf.float64)
+  sums, unit, token = _segments(
+      ids, masked(tf.cast(delta, tf.float64), weights != 0), vocab_size)
   w = tf.gather(weights, unit)
   return tf.math.unsorted_segment_sum(
       tf.square(sums * w[:, None]), tf.cast(token, tf.int32), vocab_size)
@@ -583,10 +583,10 @@ def embedding_grad(ids, delta, weights, vocab_size):
   # float64, as the norms (see linear_grad).
   weighted = masked(tf.cast(delta, tf.float64), weights != 0) * tf.cast(
       weights, tf.float64)[:, None, None]
-  return tf.cast(tf.math.unsorted_segment_sum(
+  return tf.math.unsorted_segment_sum(
       tf.reshape(weighted, [-1, tf.shape(delta)[-1]]),
       tf.reshape(tf.cast(_rows_of(ids, vocab_size), tf.int32), [-1]),
-      vocab_size), delta.dtype)
+      vocab_size)
 
 
 def conv_patches(x, kernel_size, strides, padding, dilation_rate):

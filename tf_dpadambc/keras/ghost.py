@@ -366,7 +366,8 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
   sq = [zero if s is None else tf.cast(s, tf.float64) for s in sq]
   norms = tf.sqrt(tf.add_n(sq))
   ok = tf.math.is_finite(norms)
-  # Never below float32: a bfloat16 factor could round up by 2⁻⁸.
+  # Clip factors in float64, as the sums they weight (a bfloat16 or float32
+  # factor could round up by 2⁻⁸ or 2⁻²⁴).
   weight_dtype = clipping.sum_dtype(unit_losses.dtype)
   shrink = _float32_sums(rules, deltas, scales, tf.shape(unit_losses)[0])
   clip = lambda c: c if shrink is None else tf.cast(c, tf.float64) / shrink
@@ -388,7 +389,7 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
     was_clipped = tf.reduce_any(tf.stack([f < 1.0 for f in factors]), 0)
 
   def collect(method):
-    # At least float32 until the noise (clipping.sum_dtype).
+    # float64 until the noise (clipping.sum_dtype).
     dtypes = [clipping.sum_dtype(p.dtype) for p in params]
     out = [tf.zeros_like(p, dtype=t) for p, t in zip(params, dtypes)]
     for rule, d in zip(rules, deltas):

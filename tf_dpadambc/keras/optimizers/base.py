@@ -76,6 +76,19 @@ def _private(name):
   return property(lambda self: getattr(self._private, name))
 
 
+def _in_variable_dtypes(sample, variables):
+  """``sample`` drawing each variable's noise in its own dtype (the same
+  draws whatever the clipped sum's dtype: float32 Box–Muller for float32,
+  float16 and bfloat16 variables), returned in the dtype of the template it
+  is added to — the float64 clipped sum (``clipping.sum_dtype``), rounded
+  to the variable's dtype only once noised."""
+  def in_dtypes(templates, stddev, stream=0):
+    noise = sample([tf.zeros_like(t, dtype=v.dtype)
+                    for t, v in zip(templates, variables)], stddev, stream)
+    return [tf.cast(n, t.dtype) for n, t in zip(noise, templates)]
+  return in_dtypes
+
+
 class DPOptimizer(distributed.CrossReplicaOptimizer):
   """Base class of the private optimizers: the Gaussian mechanism, once per step.
 
@@ -193,7 +206,7 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
     private.build_noise(variables, self.privatizer, self.traits.noise_streams)
     if self.query is not None:
       low = [v.name for v in variables
-             if clipping.sum_dtype(v.dtype) != tf.as_dtype(v.dtype)]
+             if tf.as_dtype(v.dtype) in (tf.float16, tf.bfloat16)]
       if low:
         raise ValueError(
             f"{self.name}: a DPQuery sums and noises its records in the "
@@ -371,7 +384,8 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
         variables, {index: i for i, index in enumerate(indices)}, None,
         None, self.noise_multiplier, self._private)
     state_lib.keep_unsaved(self, "_step_context", ctx)
-    ctx.sample, new_states = self._sampler()
+    sample, new_states = self._sampler()
+    ctx.sample = _in_variable_dtypes(sample, variables)
     ctx.sensitivity = self._step_sensitivity()
     release = self._privatize(ctx, clipped_sum, clipped_square_sum,
                               num_units)

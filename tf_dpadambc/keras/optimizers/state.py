@@ -79,7 +79,7 @@ class PrivateState:
 
   def build_accumulation(self, variables, square_sums):
     """The pending logical step's clipped sums and counts (k > 1)."""
-    # At least float32: the sums are not rounded before the noise.
+    # float64 (clipping.sum_dtype): the sums are not rounded before the noise.
     self.accumulated_sums = [
         self.variable(v.shape, "dp_clipped_sum", clipping.sum_dtype(v.dtype),
                       like=v) for v in variables]

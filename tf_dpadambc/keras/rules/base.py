@@ -353,15 +353,14 @@ class UserRule(Rule):
 
   def grads(self, deltas, weights):
     return [tf.reshape(ghost.linear_grad(term[1], term[2], w), v.shape)
-            if term[0] == "linear" else ghost.weighted_sum(
-                term[1], tf.cast(w, term[1].dtype))
+            if term[0] == "linear" else ghost.weighted_sum(term[1], w)
             for v, term, w in zip(self.variables, self._terms(deltas),
                                   weights)]
 
   def square_sums(self, deltas, weights):
     return [tf.reshape(ghost.linear_square_sum(term[1], term[2], w), v.shape)
             if term[0] == "linear" else ghost.weighted_sum(
-                tf.square(term[1]), tf.cast(tf.square(w), term[1].dtype))
+                tf.square(term[1]), tf.square(w))
             for v, term, w in zip(self.variables, self._terms(deltas),
                                   weights)]
 

@@ -209,7 +209,7 @@ class ReversibleEmbedding(base.Rule):
     emb, lin = self._split(deltas)
     out = []
     for i, v in enumerate(self.variables):
-      g = tf.zeros(v.shape, v.dtype)
+      g = tf.zeros(v.shape, tf.float64)  # rounded after the noise
       if emb is not None and i == 0:
         g += ghost.embedding_grad(emb[0], emb[1], weights[i], self.vocab)
       if lin is not None and self.tied:
@@ -224,7 +224,7 @@ class ReversibleEmbedding(base.Rule):
     if self.tied:
       g = self._unit_grads(emb, lin)
       return [ghost.weighted_sum(tf.square(g), tf.square(weights[0]))]
-    out = [tf.zeros(v.shape, v.dtype) for v in self.variables]
+    out = [tf.zeros(v.shape, tf.float64) for v in self.variables]
     if emb is not None:
       out[0] = ghost.embedding_square_sum(emb[0], emb[1], weights[0],
                                           self.vocab)

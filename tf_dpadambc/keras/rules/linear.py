@@ -83,11 +83,12 @@ class Linear(base.Rule):
     """Σ_u w_u ∇K_u, book-kept from (a, δ) or from the shared ĝ."""
     a, d, shared = self._shared(deltas)
     if shared is not None:
-      return self.kernel_shape_grad(ghost.shared_grad(shared, weights,
-                                                      a.dtype))
+      return self.kernel_shape_grad(ghost.shared_grad(shared, weights))
     if self.float32_sum is not None:
       return self.kernel_shape_grad(tf.cond(
-          self.float32_sum, lambda: ghost.chunked_linear_grad(a, d, weights),
+          self.float32_sum,
+          lambda: tf.cast(ghost.chunked_linear_grad(a, d, weights),
+                          tf.float64),
           lambda: ghost.linear_grad(a, d, weights)))
     return self.kernel_shape_grad(ghost.linear_grad(a, d, weights))
 
@@ -102,7 +103,7 @@ class Linear(base.Rule):
     a, d, shared = self._shared(deltas)
     squares = [self.kernel_shape_grad(
         ghost.linear_square_sum(a, d, weights[0]) if shared is None
-        else ghost.shared_square_sum(shared, weights[0], a.dtype))]
+        else ghost.shared_square_sum(shared, weights[0]))]
     if len(self.variables) > 1:
       squares.append(ghost.weighted_sum(tf.square(
           self._unit_bias_grads(deltas)), tf.square(weights[1])))

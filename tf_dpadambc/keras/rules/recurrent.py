@@ -195,21 +195,20 @@ class Recurrent(base.Rule):
 
   def grads(self, deltas, weights):
     kernel, rec, bias = self._terms(deltas)
-    out = [tf.concat([ghost.linear_grad(a, d, tf.cast(w, a.dtype))
+    out = [tf.concat([ghost.linear_grad(a, d, w)
                       for a, d, _ in forms], 1)
            for forms, w in ((kernel, weights[0]), (rec, weights[1]))]
     if len(self.variables) > 2:
-      out.append(ghost.weighted_sum(bias, tf.cast(weights[2], bias.dtype)))
+      out.append(ghost.weighted_sum(bias, weights[2]))
     return out
 
   def square_sums(self, deltas, weights):
     kernel, rec, bias = self._terms(deltas)
-    out = [tf.concat([ghost.linear_square_sum(a, d, tf.cast(w, a.dtype))
+    out = [tf.concat([ghost.linear_square_sum(a, d, w)
                       for a, d, _ in forms], 1)
            for forms, w in ((kernel, weights[0]), (rec, weights[1]))]
     if len(self.variables) > 2:
-      w = tf.cast(weights[2], bias.dtype)
-      out.append(ghost.weighted_sum(tf.square(bias), tf.square(w)))
+      out.append(ghost.weighted_sum(tf.square(bias), tf.square(weights[2])))
     return out
 
   def plan(self):
