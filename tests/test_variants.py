@@ -316,9 +316,12 @@ def test_jme_matches_numpy(adjacency):
                                np.sum(clipped ** 2, 0), rtol=1e-5)
     # The release the optimizer makes, from the core function; its first
     # half must be DPSGD's draw scaled from σC to σΔ.
+    # (The sums are float64 until the noise; the optimizer draws the noise
+    # in the variables' dtype: float32 templates draw the same here.)
+    as32 = lambda ts: [tf.cast(x, tf.float32) for x in ts]
     first, second, _ = noise.joint_moment_release(
-        result.grads, result.square_grads, SIGMA * delta, lam, units,
-        noise.independent_sampler(noise.step_seed(opt._seed_pair, t)))
+        as32(result.grads), as32(result.square_grads), SIGMA * delta, lam,
+        units, noise.independent_sampler(noise.step_seed(opt._seed_pair, t)))
     np.testing.assert_allclose(first[0].numpy(),
                                clipped.sum(0) / units + delta / clip * z[t],
                                rtol=1e-5, atol=1e-7)
