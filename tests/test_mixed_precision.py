@@ -366,17 +366,3 @@ def test_pure_low_precision_fit_applies_a_float32_noisy_mean(name):
   assert kernel.dtype == name
   noise = np.asarray(kernel.numpy(), np.float64)
   assert abs(np.std(noise) / (2.0 / 32) - 1) < 0.03
-
-
-def test_a_dpquery_refuses_low_precision_variables():
-  pytest.importorskip("tensorflow_privacy")
-  import tensorflow_privacy as tfp  # pylint: disable=import-outside-toplevel
-  with policy("bfloat16"):
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-  model = dp.make_private(model)
-  query = tfp.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.0)
-  model.compile(optimizer=dp.DPAdam(query=query, learning_rate=1e-3),
-                loss="mse")
-  with pytest.raises(ValueError, match="float16/bfloat16"):
-    model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"),
-              batch_size=8, epochs=1, verbose=0)

@@ -301,3 +301,22 @@ def test_a_query_subclass_is_served_by_its_own_preprocess_record():
   model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)
   for w, e in zip(model.trainable_variables, expected):
     np.testing.assert_allclose(w.numpy(), e, rtol=1e-4, atol=1e-5)
+
+
+@needs_tfp
+def test_a_dpquery_refuses_low_precision_variables():
+  """A DPQuery sums and noises its records in the variables' dtype: with
+  float16/bfloat16 variables that would round the clipped sum before its
+  noise, so the optimizer refuses them (its own noise takes them)."""
+  keras.mixed_precision.set_global_policy("bfloat16")
+  try:
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  model = tf_dpadambc.make_private(model)
+  query = tf_privacy.GaussianSumQuery(1.0, 1.0)
+  model.compile(optimizer=tf_dpadambc.DPAdam(query=query, learning_rate=1e-3),
+                loss="mse")
+  with pytest.raises(ValueError, match="float16/bfloat16"):
+    model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"),
+              batch_size=8, epochs=1, verbose=0)
