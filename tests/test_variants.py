@@ -999,3 +999,21 @@ def test_training_a_subset_equals_a_fresh_optimizer_on_the_subset(cls):
   np.testing.assert_allclose(b.numpy(), b2.numpy(), rtol=1e-6, atol=1e-8)
   np.testing.assert_allclose(c.numpy(), c2.numpy(), rtol=1e-6, atol=1e-8)
   assert np.any(b.numpy() != 0)
+
+
+def test_step_noise_is_drawn_in_the_variables_dtypes():
+  """The step's sampler draws each variable's noise in the variable's dtype
+  (float32 Box–Muller for a float32 variable, whatever the float64 clipped
+  sum it is added to), and refuses templates that do not match the
+  variables one to one (zip would drop a tensor)."""
+  from tf_dpadambc.keras.optimizers import base  # pylint: disable=import-outside-toplevel
+  var = keras.Variable(np.zeros(1000, "float32"))
+  seed = tf.constant([3, 4], tf.int64)
+  sample = base._in_variable_dtypes(  # pylint: disable=protected-access
+      noise.independent_sampler(seed), [var])
+  got = sample([tf.zeros(1000, tf.float64)], 2.0)[0]
+  assert got.dtype == tf.float64
+  want = noise.independent_sampler(seed)([tf.zeros(1000, tf.float32)], 2.0)[0]
+  np.testing.assert_array_equal(got.numpy(), want.numpy().astype(np.float64))
+  with pytest.raises(ValueError, match="one template per variable"):
+    sample([tf.zeros(1000, tf.float64)] * 2, 2.0)

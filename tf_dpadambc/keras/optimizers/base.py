@@ -83,6 +83,11 @@ def _in_variable_dtypes(sample, variables):
   is added to — the float64 clipped sum (``clipping.sum_dtype``), rounded
   to the variable's dtype only once noised."""
   def in_dtypes(templates, stddev, stream=0):
+    templates = list(templates)
+    if len(templates) != len(variables):  # (zip would drop tensors)
+      raise ValueError(
+          f"The step's noise sampler takes one template per variable "
+          f"({len(variables)}), got {len(templates)}.")
     noise = sample([tf.zeros_like(t, dtype=v.dtype)
                     for t, v in zip(templates, variables)], stddev, stream)
     return [tf.cast(n, t.dtype) for n, t in zip(noise, templates)]
