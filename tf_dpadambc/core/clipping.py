@@ -97,50 +97,65 @@ def clip_factors(norms, l2_norm_clip, automatic_gamma=None):
 
 
 def _scaled_norms(per_unit_grads):
-  """‖g_u‖₂ = scale_u · ratio_u with scale_u = max |entry of g_u|.
+  """‖g_u‖₂ = scale_u · ratio_u with scale_u = max |entry of g_u|, in float64.
 
-  Scaling first gives an exact clip factor even for finite gradients whose
-  squares (or norm) overflow float32. ``ok_u`` is False for non-finite units.
+  Scaling first gives an exact clip factor even for float64 gradients whose
+  squares overflow. The ratio is a float64 sum of squares: in float32 a sum
+  of n squares rounds by up to ≈n·2⁻²⁴ relative — the clipped unit could
+  exceed C by that much (≈6% at a million parameters, worst case).
+  ``ok_u`` is False for non-finite units.
   """
   def reduce_rest(fn, t):
     return fn(tf.reshape(t, [tf.shape(t)[0], -1]), axis=1)
+  # The max of |entries| is exact in any dtype; float64 for the rest.
   scale = tf.reduce_max(tf.stack(
-      [reduce_rest(tf.reduce_max, tf.abs(g)) for g in per_unit_grads]), axis=0)
+      [tf.cast(reduce_rest(tf.reduce_max, tf.abs(g)), tf.float64)
+       for g in per_unit_grads]), axis=0)
   ok = tf.math.is_finite(scale)
   safe = tf.where(ok & (scale > 0), scale, tf.ones_like(scale))
   ratio = tf.sqrt(tf.add_n([
-      reduce_rest(tf.reduce_sum, tf.square(g / _expand_as(safe, g)))
+      reduce_rest(tf.reduce_sum, tf.square(_scaled(g, safe)))
       for g in per_unit_grads]))
   return safe, ratio, ok & tf.math.is_finite(ratio)
 
 
+def _scaled(g, scale):
+  """g_u / scale_u in float64 (exact up to one rounding of 2⁻⁵³)."""
+  return tf.cast(g, tf.float64) / _expand_as(scale, g)
+
+
 def per_unit_global_norms(per_unit_grads):
-  """‖g_u‖₂ over all parameters for every unit u (leading axis); inf/nan if not finite."""
+  """‖g_u‖₂ over all parameters for every unit u (leading axis), computed in
+  float64 and returned in the first tensor's dtype; inf/nan if not finite."""
   scale, ratio, ok = _scaled_norms(per_unit_grads)
-  return tf.where(ok, scale * ratio, tf.fill(tf.shape(ok), float("nan")))
+  norms = tf.where(ok, scale * ratio, tf.constant(float("nan"), tf.float64))
+  return tf.cast(norms, per_unit_grads[0].dtype)
 
 
 def clip_per_unit(per_unit_grads, l2_norm_clip, automatic_gamma=None):
   """Clips each unit's gradient (leading axis) to L2 norm ≤ C.
 
-  Returns ``(clipped, norms, was_clipped, ok)``; non-finite units (``ok``
-  False) come back as exact zeros. ``automatic_gamma``: see :class:`ClipSpec`.
+  Returns ``(clipped, norms, was_clipped, ok)``: the clipped unit gradients
+  in float64 (:func:`sum_dtype`; norm, factor and product all in float64,
+  so ‖clipped_u‖ ≤ C to ≈2⁻⁵⁰ relative), the norms in the gradients' dtype;
+  non-finite units (``ok`` False) come back as exact zeros.
+  ``automatic_gamma``: see :class:`ClipSpec`.
   """
   scale, ratio, ok = _scaled_norms(per_unit_grads)
-  clip = tf.cast(l2_norm_clip, scale.dtype)
+  clip = tf.cast(l2_norm_clip, tf.float64)
   # g·min(1, C/(s·r)) = (g/s)·min(s, C/r): no overflowing norm and no
-  # denormal factor (flushed to zero on CPU) for huge finite gradients.
+  # denormal factor for huge finite gradients.
   if automatic_gamma is None:
-    bounded_scale = tf.minimum(scale, clip / tf.maximum(ratio, 1e-30))
+    bounded_scale = tf.minimum(scale, clip / tf.maximum(ratio, 1e-300))
   else:  # g·C/(s·r + γ) = (g/s)·C/(r + γ/s)
-    bounded_scale = clip / (ratio + tf.cast(automatic_gamma, scale.dtype)
+    bounded_scale = clip / (ratio + tf.cast(automatic_gamma, tf.float64)
                             / scale)
   factors = tf.where(ok, bounded_scale, tf.zeros_like(scale))
   # multiply_no_nan: 0 · inf and 0 · nan are 0, so a zeroed unit is exactly 0.
-  clipped = [tf.math.multiply_no_nan(g / _expand_as(scale, g),
-                                     _expand_as(factors, g))
+  clipped = [tf.math.multiply_no_nan(_scaled(g, scale), _expand_as(factors, g))
              for g in per_unit_grads]
-  return clipped, scale * ratio, ok & (bounded_scale < scale), ok
+  norms = tf.cast(scale * ratio, per_unit_grads[0].dtype)
+  return clipped, norms, ok & (bounded_scale < scale), ok
 
 
 def materialized_clipped_sum(per_unit_grads, clip):
