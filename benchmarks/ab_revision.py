@@ -1,17 +1,18 @@
 """DP / non-private ms/step of this tree against an earlier revision's
-``core/ghost.py`` and ``core/noise.py``, side by side in one process.
+``core/ghost.py`` and ``core/noise.py`` (or other modules), side by side in one process.
 
     python -m benchmarks.ab_revision fbc0dfd --models mlp embedding_bag
     python -m benchmarks.ab_revision fbc0dfd --models transformer --batch-size 64
+    python -m benchmarks.ab_revision HEAD --modules tf_dpadambc/core/diagnostics.py
 
 On a shared, noisy CPU, absolute timings drift with the load; ratios
 measured in one process, configurations alternating, do not. Three
 configurations train the same model (``bench_models``) with ``model.fit``
 (XLA): non-private Keras Adam; DPAdamBC with the module-level functions of
-``tf_dpadambc.core.ghost`` and ``tf_dpadambc.core.noise`` replaced, while the
-step is traced, by those of ``REVISION`` (and the rules' shared float32
-per-unit gradients switched off, as before they existed); DPAdamBC as it is
-now. Each repetition runs one epoch of every configuration in turn; a
+``tf_dpadambc.core.ghost`` and ``tf_dpadambc.core.noise`` (or of the
+``--modules`` given) replaced, while the step is traced, by those of
+``REVISION`` (with ghost swapped, the rules' shared float32 per-unit
+gradients switched off, as before they existed); DPAdamBC as it is now. Each repetition runs one epoch of every configuration in turn; a
 figure is the median over repetitions of the median step (callback
 timestamps, compilation excluded). Only those two modules are swapped: a
 revision whose rules differ elsewhere is not reproduced.
@@ -59,15 +60,20 @@ def _module_at(revision, path):
   return module
 
 
-def revision_code(revision):
-  """A context manager: ghost's and noise's functions as at ``revision``."""
-  olds = [(ghost, _module_at(revision, "tf_dpadambc/core/ghost.py")),
-          (noise, _module_at(revision, "tf_dpadambc/core/noise.py"))]
+DEFAULT_MODULES = ("tf_dpadambc/core/ghost.py", "tf_dpadambc/core/noise.py")
+
+
+def revision_code(revision, paths=DEFAULT_MODULES):
+  """A context manager: the module-level functions of the modules at
+  ``paths`` (default: ghost's and noise's) as at ``revision``."""
+  olds = [(importlib.import_module(p[:-3].replace("/", ".")),
+           _module_at(revision, p)) for p in paths]
 
   @contextlib.contextmanager
   def swapped():
     saved = [(ghost, "materializes_both", ghost.materializes_both)]
-    ghost.materializes_both = lambda *args: False
+    if any(module is ghost for module, _ in olds):
+      ghost.materializes_both = lambda *args: False
     for module, old in olds:
       for name, value in vars(old).items():
         if isinstance(value, types.FunctionType) and hasattr(module, name):
@@ -123,8 +129,10 @@ def main(argv=None):
   parser.add_argument("--batch-size", type=int, default=256)
   parser.add_argument("--steps", type=int, default=25)
   parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--modules", nargs="*", default=list(DEFAULT_MODULES),
+                      help="the modules (paths) whose functions are swapped")
   args = parser.parse_args(argv)
-  before = revision_code(args.revision)
+  before = revision_code(args.revision, args.modules)
   for name in args.models:
     runs = {"Adam": _runner(name, False, args.batch_size, args.steps),
             f"DPAdamBC at {args.revision}": _runner(

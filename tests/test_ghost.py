@@ -523,16 +523,19 @@ def _embedding_sq_norms_reference(ids, delta, vocab):
   return np.sum(grads ** 2, axis=(1, 2))
 
 
+@pytest.mark.parametrize("padding", [True, False])
 @pytest.mark.parametrize("jit", [False, True])
-def test_embedding_norms_of_pooled_gradients_by_counting(jit):
+def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding):
   """δ rows that are one row per unit (mean pooling; zero rows where padding
-  is masked) take the counting shortcut; any other δ the sorted row sums.
-  Both equal the materialized ‖∇E_u‖² (ids repeat: vocabulary 7)."""
+  is masked) take the counting shortcut — without padding, after a check
+  that all rows are equal; any other δ the sorted row sums. All equal the
+  materialized ‖∇E_u‖² (ids repeat: vocabulary 7)."""
   rng = np.random.default_rng(3)
   units, length, vocab, dim = 5, 12, 7, 3
   ids = rng.integers(0, vocab, (units, length))
   pooled = np.repeat(rng.normal(size=(units, 1, dim)), length, 1)
-  pooled[:, 8:] = 0.0  # masked padding
+  if padding:
+    pooled[:, 8:] = 0.0  # masked padding
   pooled[1] = 0.0      # a unit with no gradient at all
   general = pooled.copy()
   general[2, 3, 0] *= 1 + 2 ** -20  # one row differs: the sorted path
@@ -552,10 +555,14 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit):
   nan_row[2, 10, 1] = np.nan
   inf_row[3, 10, 2] = np.inf
   nan_in_row[4, 0, 2] = np.nan
+  # A feature that is NaN or inf in every row: rows still "equal".
+  all_nan, all_inf = pooled.copy(), pooled.copy()
+  all_nan[2, :, 0] = np.nan
+  all_inf[3, :, 2] = -np.inf
   norms = tf.function(
       lambda i, d: ghost.embedding_sq_norms(i, d, vocab), jit_compile=jit)
   for delta in (pooled, general, later, signed_zero, partial, negated,
-                nan_row, inf_row, nan_in_row):
+                nan_row, inf_row, nan_in_row, all_nan, all_inf):
     np.testing.assert_allclose(
         norms(tf.constant(ids), tf.constant(delta, tf.float32)).numpy(),
         _embedding_sq_norms_reference(ids, delta.astype(np.float32), vocab),

@@ -483,6 +483,22 @@ def _one_row_per_unit(delta):
   return finite & same, g, nonzero
 
 
+def _equal_rows(delta):
+  """(all, g [U, d]): ``all`` is True when all of every unit's δ rows are
+  one finite row g_u (a mean or sum pooling right after the lookup, no
+  padding mask): :func:`_one_row_per_unit` with every row counted, in two
+  reductions over T instead of its five passes.
+
+  Exact: per feature the largest value equals the smallest. NaN is mapped
+  to +inf in the max and −inf in the min, so it never passes, whatever the
+  reductions do with NaN; ±inf fails the finiteness test of g."""
+  is_number = tf.equal(delta, delta)
+  big = tf.reduce_max(tf.where(is_number, delta, math.inf), axis=1)
+  small = tf.reduce_min(tf.where(is_number, delta, -math.inf), axis=1)
+  same = tf.reduce_all((big == small) & tf.math.is_finite(big))
+  return same, tf.where(tf.math.is_finite(big), big, tf.zeros_like(big))
+
+
 def _may_be_one_row_per_unit(delta):
   """False where :func:`_one_row_per_unit` would be: some unit has two
   different non-zero values in its first feature column (a pooled unit's
@@ -555,10 +571,17 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   if scale is None and (ids.shape[0] is None
                         or ids.shape[0] * vocab_size <= _MAX_COUNTERS):
     def counted():
-      pooled, g, nonzero = _one_row_per_unit(delta)
-      return tf.cond(pooled,
-                     lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
-                     sorted_sq)
+      equal, g = _equal_rows(delta)
+
+      def masked_rows():  # padding positions (zero rows) between them
+        pooled, g, nonzero = _one_row_per_unit(delta)
+        return tf.cond(pooled,
+                       lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+                       sorted_sq)
+      every = tf.ones(tf.shape(ids), tf.bool)
+      return tf.cond(equal,
+                     lambda: _pooled_sq_norms(ids, g, every, vocab_size),
+                     masked_rows)
     fits = tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS
     sq, bound = tf.cond(fits & _may_be_one_row_per_unit(delta), counted,
                         sorted_sq)
