@@ -1,7 +1,11 @@
 """One worker of a two-process MultiWorkerMirroredStrategy run, for
 tests/test_multiworker.py (not a test module).
 
-    TF_CONFIG=... python tests/multiworker_worker.py SCENARIO OUT.json
+    TF_CONFIG=... python tests/multiworker_worker.py OUT SCENARIO [SCENARIO ...]
+
+runs the scenarios one after another in this process (one cluster start for
+all: most of a launch is two TensorFlow imports and the strategy's setup)
+and writes each one's results to OUT with ``{scenario}`` replaced.
 
 SCENARIO: ``keras3-inside`` (custom loop with ``private_step``; model and
 optimizer made in the strategy's scope), ``keras3-outside`` (the optimizer
@@ -21,7 +25,7 @@ Two models per scenario, trained on both workers:
   secret seed (drawn from the OS in each process): every gradient is 0, so
   one DPSGD step with learning rate 1 moves the kernel by -z/B, z ~
   N(0, σ²C²): its std, and equality across workers (same seed).
-Writes the weights and statistics to OUT.json.
+Writes the weights and statistics of each scenario to its JSON file.
 """
 import json
 import os
@@ -212,7 +216,7 @@ def _tf_keras(how):
   return results
 
 
-def main(scenario, out):
+def run(scenario, out):
   try:
     if scenario.startswith("keras3-") and scenario != "keras3-fit":
       results = _keras3(scenario.split("-", 1)[1])
@@ -230,5 +234,10 @@ def main(scenario, out):
   os.replace(out + ".tmp", out)
 
 
+def main(out, scenarios):
+  for scenario in scenarios:
+    run(scenario, out.format(scenario=scenario))
+
+
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2])
+  main(sys.argv[1], sys.argv[2:])

@@ -1,8 +1,10 @@
 """MultiWorkerMirroredStrategy with two worker processes on 127.0.0.1.
 
-Each test launches tests/multiworker_worker.py twice with a TF_CONFIG
-cluster of two workers on free loopback ports (one CPU replica each), waits
-at most TIMEOUT seconds (then kills both) and compares what they wrote:
+The tests launch tests/multiworker_worker.py twice with a TF_CONFIG cluster
+of two workers on free loopback ports (one CPU replica each) — once for all
+scenarios (a module fixture; under pytest-xdist once per test process that
+runs one of them) and once for the example — wait at most TIMEOUT seconds a
+scenario (then kill both) and compare what they wrote:
 
 * the classifier (seed 3, two global steps of 32 examples, 16 per worker)
   ends with bit-identical weights on both workers, equal (to float32
@@ -81,18 +83,33 @@ def _launch(argv, name, tmp_path, timeout=TIMEOUT):
           [(tmp_path / f"{name}-{index}.log").read_text() for index in (0, 1)])
 
 
-def _run_workers(scenario, tmp_path):
-  out = str(tmp_path / (scenario + "-{index}.json"))
-  codes, logs = _launch([WORKER, scenario, out], scenario, tmp_path)
-  results = []
-  for index in (0, 1):
-    path = tmp_path / f"{scenario}-{index}.json"
-    if not path.exists():
-      pytest.fail(f"worker {index} of {scenario!r} wrote nothing in "
-                  f"{TIMEOUT} s (exit {codes[index]}):\n{logs[index][-3000:]}")
-    result = json.loads(path.read_text())
-    assert "crash" not in result, result.get("crash")
-    results.append(result)
+SCENARIOS = ("keras3-inside", "keras3-outside", "keras3-prebuilt",
+             "tf_keras-inside", "tf_keras-outside", "keras3-fit")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+  """Every scenario, one after another, in one launch of two workers (each
+  launch imports TensorFlow twice and sets up the collectives: six launches
+  took about 5 min of a 2-core CI run). Returns ``results(scenario)``."""
+  tmp_path = tmp_path_factory.mktemp("multiworker")
+  out = str(tmp_path / "{{scenario}}-{index}.json")
+  timeout = TIMEOUT * len(SCENARIOS) // 2
+  codes, logs = _launch([WORKER, out, *SCENARIOS], "workers", tmp_path,
+                        timeout=timeout)
+
+  def results(scenario):
+    found = []
+    for index in (0, 1):
+      path = tmp_path / f"{scenario}-{index}.json"
+      if not path.exists():
+        pytest.fail(f"worker {index} wrote nothing for {scenario!r} in "
+                    f"{timeout} s (exit {codes[index]}):\n"
+                    f"{logs[index][-3000:]}")
+      result = json.loads(path.read_text())
+      assert "crash" not in result, result.get("crash")
+      found.append(result)
+    return found
   return results
 
 
@@ -125,13 +142,13 @@ def _check_release(results):
 
 
 @pytest.mark.parametrize("how", ["inside", "outside", "prebuilt"])
-def test_keras3_custom_loop_on_two_workers(how, tmp_path):
+def test_keras3_custom_loop_on_two_workers(how, cluster):
   # inside: optimizer made in the scope (its seed variable is mirrored,
   # initialised by broadcast from worker 0); outside: constructed outside,
   # built by private_step in the scope on the first step; prebuilt: built
   # outside (a plain variable holding each process's own OS seed), so only
   # the agreement in every release makes the workers draw the same noise.
-  results = _run_workers(f"keras3-{how}", tmp_path)
+  results = cluster(f"keras3-{how}")
   _check_release(results)
   kind = results[0]["noise"]["seed_variable"]
   assert kind == ("ResourceVariable" if how == "prebuilt"
@@ -139,8 +156,8 @@ def test_keras3_custom_loop_on_two_workers(how, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["inside", "outside"])
-def test_tf_keras_fit_on_two_workers(how, tmp_path):
-  results = _run_workers(f"tf_keras-{how}", tmp_path)
+def test_tf_keras_fit_on_two_workers(how, cluster):
+  results = cluster(f"tf_keras-{how}")
   _check_release(results)
   for result in results:
     for name in ("trained", "noise"):
@@ -148,8 +165,8 @@ def test_tf_keras_fit_on_two_workers(how, tmp_path):
       assert result[name]["refused_steps"] == 0
 
 
-def test_keras3_fit_is_refused_on_two_workers(tmp_path):
-  for result in _run_workers("keras3-fit", tmp_path):
+def test_keras3_fit_is_refused_on_two_workers(cluster):
+  for result in cluster("keras3-fit"):
     assert result["error"] == "NotImplementedError"
     assert "private_step" in result["message"]
     assert "tf_keras" in result["message"]
