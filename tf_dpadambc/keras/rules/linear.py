@@ -71,7 +71,7 @@ class Linear(base.Rule):
     a, d, shared = self._shared(deltas)
     scale = None if scales[0] is None else self.flat_kernel(scales[0])
     norms = [ghost.linear_sq_norms(a, d, scale) if shared is None
-             else ghost.shared_sq_norms(shared, a, d, scale)]
+             else ghost.shared_sq_norms(shared, scale)]
     if len(self.variables) > 1:
       g = self._unit_bias_grads(deltas)
       if scales[1] is not None:
