@@ -112,6 +112,10 @@ class Linear(base.Rule):
   def plan(self):
     a, _ = self._ad([c.z for c in self.calls])
     p, d = self.flat_kernel(self.layer.kernel).shape
+    if ghost.materializes_both(a.shape[1], p, d) and ghost.prefer_ghost(
+        a.shape[1], p, d):
+      return (f"materialized per unit (T={a.shape[1]}: pd={p * d} ≤ "
+              f"2T(p+d)={2 * a.shape[1] * (p + d)}, float32)")
     return describe(a.shape[1], p, d)
 
 
