@@ -68,9 +68,9 @@ def _mlp():
                            keras.layers.Dense(3)])
 
 
-def _sequence_dense():  # Dense on [B, T, p]: ghost norm (2T² < pd)
-  return keras.Sequential([keras.Input((4, 9)),
-                           keras.layers.Dense(8, activation="relu"),
+def _sequence_dense():  # Dense on [B, T, p]: ghost norm (pd > 2T², 2T(p+d))
+  return keras.Sequential([keras.Input((2, 16)),
+                           keras.layers.Dense(16, activation="relu"),
                            keras.layers.Flatten(), keras.layers.Dense(3)])
 
 
@@ -204,13 +204,17 @@ def test_plan_picks_the_cheaper_method_per_layer():
       keras.Input((28, 28, 1)),
       keras.layers.Conv2D(16, 8, strides=2, padding="same"),   # T=196, pd=1024
       keras.layers.Conv2D(32, 4, strides=2, padding="valid"),  # T=36, pd=8192
+      keras.layers.Conv2D(64, 2, strides=2, padding="valid"),  # T=9, pd=8192
       keras.layers.Flatten(), keras.layers.Dense(10)])
   x, y = _data(model, rng, batch=4)
   ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None)
   methods = [e.method for e in dp.clipping_plan(model).entries]
-  assert methods[0].startswith("materialized"), methods
-  assert methods[1].startswith("ghost norm (T=36"), methods
-  assert methods[2].startswith("ghost norm ‖a‖·‖δ‖"), methods
+  assert methods[0].startswith("materialized per unit (T=196: 2T²"), methods
+  # 2T² < pd, but the per-unit gradients take less memory than 2T(p + d).
+  assert methods[1].startswith(
+      "materialized per unit (T=36: pd=8192 ≤ 2T(p+d)=20736"), methods
+  assert methods[2].startswith("ghost norm (T=9"), methods
+  assert methods[3].startswith("ghost norm ‖a‖·‖δ‖"), methods
   assert "materialized" in str(dp.clipping_plan(model))
 
 
