@@ -543,17 +543,20 @@ def _pooled_sq_norms(ids, g, nonzero, vocab_size):
   ‖∇E_u‖² = ‖g_u‖² Σ_v n_uv², by counting: no sort.
 
   Σ_v n_uv² = Σ_{t non-zero} n_{u,id_t} (token v is met n_uv times, each
-  time counting n_uv): integer counters (exact: n_uv ≤ T; int16 where T
-  allows, which halves the U·vocab memset: 4.0 → 2.6 ms at 1024 units of
-  a 10k vocabulary), gathered back at the unit's own positions, summed
+  time counting n_uv): integer counters (exact: n_uv ≤ T; on the CPU int16
+  where T allows, which halves the U·vocab memset: 4.0 → 2.6 ms at 1024
+  units of a 10k vocabulary), gathered back at the unit's own positions, summed
   exactly. The bound Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of
   non-zero positions)."""
   num_units, length = tf.shape(ids)[0], ids.shape[1]
   keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
           + tf.range(num_units)[:, None] * vocab_size)
   small = length is not None and length < 2 ** 15
+  # int16 only where it was measured: on a GPU without XLA TensorFlow may
+  # lack an int16 segment-sum kernel (the op would move to the CPU).
+  narrow = small and not tf.config.list_logical_devices("GPU")
   counts = tf.math.unsorted_segment_sum(
-      tf.cast(nonzero, tf.int16 if small else tf.int32), keys,
+      tf.cast(nonzero, tf.int16 if narrow else tf.int32), keys,
       num_units * vocab_size)
   mine = tf.where(nonzero, tf.cast(tf.gather(counts, keys), tf.int32), 0)
   # Σ_t n ≤ T² < 2³¹ (int32: exact, one float64 pass fewer).
