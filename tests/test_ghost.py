@@ -571,6 +571,10 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding):
         norms(tf.constant(ids), tf.constant(delta, tf.float32)).numpy(),
         _embedding_sq_norms_reference(ids, delta.astype(np.float32), vocab),
         rtol=1e-6)
+  # No positions at all (a zero-length input): norm 0, on every path.
+  np.testing.assert_array_equal(
+      norms(tf.zeros([units, 0], tf.int64), tf.zeros([units, 0, dim])).numpy(),
+      np.zeros(units))
   # The shortcut counts equal ids: with all ids distinct the norm is smaller.
   distinct = np.tile(np.arange(length), (units, 1)) % vocab
   assert not np.allclose(

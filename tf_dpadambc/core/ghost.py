@@ -515,11 +515,12 @@ def _equal_rows(delta):
   fused pass (every row == the first) instead of its five.
 
   Exact: == is IEEE equality, and NaN equals nothing, so a NaN anywhere
-  fails; ±inf in every row of a feature fails the finiteness test of g."""
-  g = delta[:, 0]
-  same = tf.reduce_all(tf.equal(delta, g[:, None])) & tf.reduce_all(
-      tf.math.is_finite(g))
-  return same, g
+  fails; ±inf in every row of a feature fails the finiteness test of g.
+  (g: the first row as a sum over a slice, so that T = 0 gives g = 0.)"""
+  first = delta[:, :1]
+  same = tf.reduce_all(tf.equal(delta, first)) & tf.reduce_all(
+      tf.math.is_finite(first))
+  return same, tf.reduce_sum(first, axis=1)
 
 
 def _may_be_one_row_per_unit(delta):
