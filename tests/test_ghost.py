@@ -682,12 +682,15 @@ def test_conv_patches_by_slices_equal_extract_patches_bitwise(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_chunked_float32_sum_within_its_rounding_bound(jit):
+@pytest.mark.parametrize("max_units", [1771, 40])
+def test_chunked_float32_sum_within_its_rounding_bound(jit, max_units):
   """chunked_linear_grad (float32 chunks of K units, chunks summed in
   float64) differs from the exact Σ_u w_u a_u δ_uᵀ by at most
-  γ·Σ_u |w_u a_u δ_uᵀ| elementwise (core.ghost.float32_rounding), on values
-  spanning 30 binades whose units cancel each other; U not a multiple of K;
-  a zero-weight unit with NaN adds exactly 0."""
+  γ_K·Σ_u |w_u a_u δ_uᵀ| elementwise (core.ghost.float32_rounding of the
+  K float32_chunk picks), on values spanning 30 binades whose units cancel
+  each other; one chunk of all 77 units (L = 1771), or 6 chunks of 13, U
+  not a multiple of K (L = 40); a zero-weight unit with NaN adds exactly
+  0."""
   rng = np.random.default_rng(17)
   units, p, d = 77, 33, 9
   a = rng.normal(size=(units, 1, p)) * 2.0 ** rng.integers(-15, 15, (units, 1, p))
@@ -698,17 +701,38 @@ def test_chunked_float32_sum_within_its_rounding_bound(jit):
   weights = rng.uniform(0.1, 1.0, units).astype(np.float32)
   weights[1::2] = weights[0::2][:units // 2]
   weights[5], a[5, 0, 0] = 0.0, np.nan
-  got = tf.function(ghost.chunked_linear_grad, jit_compile=jit)(
+  chunk = ghost.float32_chunk(units, max_units)
+  assert chunk == {1771: 77, 40: 13}[max_units]
+  got = tf.function(lambda *t: ghost.chunked_linear_grad(*t, max_units),
+                    jit_compile=jit)(
       tf.constant(a), tf.constant(delta), tf.constant(weights)).numpy()
   w, a64, d64 = (weights.astype(np.float64), a[:, 0].astype(np.float64),
                  delta[:, 0].astype(np.float64))
   w[5], a64[5] = 0.0, 0.0
   terms = np.einsum("u,up,ud->upd", w, a64, d64)
   exact = terms.sum(0)
-  bound = ghost.float32_rounding() * np.abs(terms).sum(0)
+  bound = ghost.float32_rounding(chunk) * np.abs(terms).sum(0)
   assert np.all(np.abs(got - exact) <= bound)
   # It is a float32 sum: not the float64 one (the bound is not vacuous).
   assert np.any(got != exact.astype(np.float32)) or np.all(bound == 0)
+
+
+@pytest.mark.parametrize("max_units", [1, 2, 37, 1771, 5000])
+def test_float32_chunks_stay_within_the_shrinks_rounding(max_units):
+  """For every batch of U ≤ L units the chunk K = float32_chunk(U, L)
+  rounds by at most what the clip shrink 1 + 2γL pays for (γ_K·U ≤ γL,
+  γ of FLOAT32_CHUNK), makes no more partial sums than chunks of
+  FLOAT32_CHUNK would (the memory bound of float32_max_units), and pads
+  fewer than one unit per chunk; unknown U gets FLOAT32_CHUNK."""
+  budget = ghost.float32_rounding() * max_units
+  for units in range(1, max_units + 1):
+    chunk = ghost.float32_chunk(units, max_units)
+    count = -(-units // chunk)
+    assert ghost.float32_rounding(chunk) * units <= budget, units
+    assert count <= -(-units // ghost.FLOAT32_CHUNK), units
+    assert count * chunk - units < count, units
+  assert ghost.float32_chunk(256, 1771) == 128  # two chunks, not 8 of 32
+  assert ghost.float32_chunk(None, max_units) == ghost.FLOAT32_CHUNK
 
 
 def _wide_mlp():  # a 256 x 128 kernel: the chunked float32 sum

@@ -259,40 +259,65 @@ def linear_grad(a, delta, weights):
   return grad
 
 
-# Chunked float32 sums of T = 1 layers (chunked_linear_grad): K units per
-# chunk; the most the clip may shrink for their rounding (2γU); the smallest
-# kernel (p·d) where they pay; the most memory their partial sums may take.
+# Chunked float32 sums of T = 1 layers (chunked_linear_grad): the fewest
+# units per chunk (K₀, the chunk where U is unknown when traced); the most the
+# clip may shrink for their rounding (2γ_{K₀+5}·L); the smallest kernel (p·d)
+# where they pay; the most memory their partial sums may take.
 FLOAT32_CHUNK = 32
 FLOAT32_MAX_SHRINK = 2.0 ** -7
 FLOAT32_MIN_WEIGHTS = 1 << 15
 FLOAT32_MAX_PARTIAL_BYTES = 1 << 26
 
 
-def float32_rounding():
+def float32_rounding(chunk=FLOAT32_CHUNK):
   """γ: a bound, relative to Σ_u ‖x_u‖ (x_u = c_u a_u δ_uᵀ, c_u the float64
   clip factor), of everything rounding can add to a book-kept sum of the
-  T = 1 path of :func:`chunked_linear_grad` (elementwise |error| ≤
-  γ·Σ_u |x_u|, so ‖error‖ ≤ γ·Σ_u ‖x_u‖).
+  T = 1 path of :func:`chunked_linear_grad` with K = ``chunk`` units per
+  chunk (elementwise |error| ≤ γ·Σ_u |x_u|, so ‖error‖ ≤ γ·Σ_u ‖x_u‖).
 
-  Each term passes K − 1 float32 additions, the cast of c_u to float32, the
+  Each term passes K − 1 float32 additions (in any order: a product's
+  summation tree is at most K − 1 deep), the cast of c_u to float32, the
   products c_u·δ_u and a_u·(c_uδ_u), and the final cast of the sum to
   float32: K + 3 roundings of u = 2⁻²⁴ (Higham's γ_n = nu/(1 − nu)); two
   more for the float64 norms and the float64 sum of the chunks (each
   ≪ 2⁻²⁴ relative). The float64 path of :func:`linear_grad` is covered by
   the same γ."""
-  n = FLOAT32_CHUNK + 5
+  n = chunk + 5
   return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
 
 
 def float32_clip_shrink(max_units):
-  """1 + 2γL for a model whose float32 sums take at most L units: with
-  every unit clipped at C' = C/(1 + 2γL) and each batch's rounding at most
-  γ·Σ_u‖x_u‖ ≤ γ·min(U, L)·C', adding or removing a unit moves the computed
-  sum by at most C'(1 + 2γL) = C: the sensitivity the noise is calibrated
-  to, with the rounding included. L must not depend on the batch
+  """1 + 2γL for a model whose float32 sums take at most L units (γ of
+  FLOAT32_CHUNK): with every unit clipped at C' = C/(1 + 2γL) and each
+  batch's rounding at most γ_K·Σ_u‖x_u‖ ≤ γ_K·U·C' ≤ γ·L·C' (U ≤ L units in
+  chunks of :func:`float32_chunk`), adding or removing a unit moves the
+  computed sum by at most C'(1 + 2γL) = C: the sensitivity the noise is
+  calibrated to, with the rounding included. L must not depend on the batch
   (``keras.ghost._float32_sums``)."""
   return tf.constant(1.0 + 2.0 * float32_rounding() * float(max_units),
                      tf.float64)
+
+
+def float32_chunk(units, max_units):
+  """K, the units per float32 chunk for a batch of U = ``units`` in a model
+  whose float32 sums take at most L = ``max_units``: the largest K with
+  γ_K·U ≤ γ_{FLOAT32_CHUNK}·L (:func:`float32_rounding`), the rounding
+  :func:`float32_clip_shrink` pays for, spread evenly over ⌈U/K⌉ chunks;
+  FLOAT32_CHUNK where U is unknown when traced (U ≤ L is then checked when
+  run). K ≥ FLOAT32_CHUNK for every U ≤ L.
+
+  Batches below L take the slack the constant shrink leaves them: fewer,
+  longer chunks, so fewer float32 partial sums to write and add in float64
+  (the MLP at batch 256: 2 chunks of 128 instead of 8 of 32; at 1024, 18 of
+  57 instead of 32 of 32)."""
+  if units is None:
+    return FLOAT32_CHUNK
+  budget = float32_rounding() * float(max_units)
+  chunk = max(1, min(units, int(budget / (units * 2.0 ** -24)) - 5))
+  while chunk > 1 and float32_rounding(chunk) * units > budget:
+    chunk -= 1
+  count = -(-units // chunk)
+  return -(-units // count)
 
 
 def _reduced_cpu_matmul_precision():
@@ -310,8 +335,9 @@ def float32_max_units(positions, fan_in, fan_out, dtype):
   :func:`chunked_linear_grad` (0: never): T = 1, float32 records, a kernel
   of at least FLOAT32_MIN_WEIGHTS entries (below that the float64 product
   is cheap), a clip shrink 2γU ≤ FLOAT32_MAX_SHRINK and partial sums within
-  FLOAT32_MAX_PARTIAL_BYTES; never where float32 products may run in TF32
-  (a GPU with TensorFloat-32 enabled: inputs rounded to 2⁻¹¹, outside γ)."""
+  FLOAT32_MAX_PARTIAL_BYTES (at most ⌈U/FLOAT32_CHUNK⌉ of them); never
+  where float32 products may run in TF32 (a GPU with TensorFloat-32
+  enabled: inputs rounded to 2⁻¹¹, outside γ)."""
   if positions != 1 or dtype != tf.float32 or fan_in is None or (
       fan_out is None) or fan_in * fan_out < FLOAT32_MIN_WEIGHTS:
     return 0
@@ -326,17 +352,19 @@ def float32_max_units(positions, fan_in, fan_out, dtype):
   return min(by_rounding, by_memory)
 
 
-def chunked_linear_grad(a, delta, weights):
+def chunked_linear_grad(a, delta, weights, max_units):
   """Σ_u w_u a_u δ_uᵀ of a T = 1 layer ([U, 1, p], [U, 1, d], [U] -> [p, d]):
-  float32 products over chunks of K = FLOAT32_CHUNK units (zero units pad
-  the last), the chunks summed in float64.
+  float32 products over chunks of K units (:func:`float32_chunk` of U and
+  the model's float32 unit limit L = ``max_units``; zero units pad the
+  last), the chunks summed in float64.
 
-  Private only with every unit clipped at C/:func:`float32_clip_shrink`
-  (``keras.ghost.clipped_sum`` does): the rounding of a float32 sum is not
-  any one unit's and moves with the others', bounded by γ·Σ_u‖x_u‖
-  (:func:`float32_rounding`). Units with weight 0 add exactly 0."""
+  Private only with every unit clipped at C/:func:`float32_clip_shrink` of
+  the same L, and U ≤ L (``keras.ghost.clipped_sum`` does): the rounding of
+  a float32 sum is not any one unit's and moves with the others', bounded
+  by γ_K·Σ_u‖x_u‖ (:func:`float32_rounding`). Units with weight 0 add
+  exactly 0."""
   keep = weights != 0
-  chunk = FLOAT32_CHUNK
+  chunk = float32_chunk(a.shape[0], max_units)
   a = masked(a[:, 0], keep)
   y = masked(delta[:, 0], keep) * tf.cast(weights, delta.dtype)[:, None]
   pad = (-tf.shape(a)[0]) % chunk

@@ -270,20 +270,23 @@ def _float32_sums(rules, deltas, scales, num_units):
   every other unit differently in the two, and at U = L + 1 (float64, no
   shrink) against U = L (float32, 1 + 2γL) it moved the sum by up to
   L·C·2γL/(1 + 2γL) ≈ 14C. With one shrink for every U, unit u changes the
-  computed sum by at most C' plus both batches' rounding, each
-  γ·min(U, L)·C' (0 where every sum is float64): ≤ C'(1 + 2γL) = C."""
+  computed sum by at most C' plus both batches' rounding, each at most
+  γ·L·C' (chunks of ``core.ghost.float32_chunk``: γ_K·U ≤ γL; 0 where every
+  sum is float64): ≤ C'(1 + 2γL) = C."""
   if scales is not None:
     return None
-  limits = []
+  limits = {}
   for rule, d in zip(rules, deltas):
     limit = (rule.float32_max_units(d) if rule.calls and hasattr(
         rule, "float32_max_units") else 0)
     if limit > 0:
       rule.float32_sum = num_units <= limit
-      limits.append(limit)
+      limits[rule] = limit
   if not limits:
     return None
-  return core_ghost.float32_clip_shrink(max(limits))
+  for rule in limits:  # their chunks' rounding is budgeted against L
+    rule.float32_units = max(limits.values())
+  return core_ghost.float32_clip_shrink(max(limits.values()))
 
 
 def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):

@@ -19,8 +19,10 @@ class Linear(base.Rule):
         [layer.bias] if base.has_bias(layer) else [])
     self._cache = None
     # Set by keras.ghost.clipped_sum where the units were clipped for the
-    # chunked float32 sum: a boolean tensor, None for float64.
+    # chunked float32 sum: a boolean tensor (None for float64), and the
+    # model's float32 unit limit L the clip shrink was computed for.
     self.float32_sum = None
+    self.float32_units = None
 
   def float32_max_units(self, deltas):
     """The most units for which the kernel's sum may be book-kept in
@@ -87,8 +89,8 @@ class Linear(base.Rule):
     if self.float32_sum is not None:
       return self.kernel_shape_grad(tf.cond(
           self.float32_sum,
-          lambda: tf.cast(ghost.chunked_linear_grad(a, d, weights),
-                          tf.float64),
+          lambda: tf.cast(ghost.chunked_linear_grad(
+              a, d, weights, self.float32_units), tf.float64),
           lambda: ghost.linear_grad(a, d, weights)))
     return self.kernel_shape_grad(ghost.linear_grad(a, d, weights))
 
