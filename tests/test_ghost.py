@@ -682,14 +682,14 @@ def test_conv_patches_by_slices_equal_extract_patches_bitwise(jit):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("max_units", [1771, 40])
+@pytest.mark.parametrize("max_units", [1771, 77])
 def test_chunked_float32_sum_within_its_rounding_bound(jit, max_units):
   """chunked_linear_grad (float32 chunks of K units, chunks summed in
   float64) differs from the exact Σ_u w_u a_u δ_uᵀ by at most
   γ_K·Σ_u |w_u a_u δ_uᵀ| elementwise (core.ghost.float32_rounding of the
   K float32_chunk picks), on values spanning 30 binades whose units cancel
-  each other; one chunk of all 77 units (L = 1771), or 6 chunks of 13, U
-  not a multiple of K (L = 40); a zero-weight unit with NaN adds exactly
+  each other; one chunk of all 77 units (L = 1771), or 3 chunks of 26, U
+  not a multiple of K (L = 77); a zero-weight unit with NaN adds exactly
   0."""
   rng = np.random.default_rng(17)
   units, p, d = 77, 33, 9
@@ -702,7 +702,7 @@ def test_chunked_float32_sum_within_its_rounding_bound(jit, max_units):
   weights[1::2] = weights[0::2][:units // 2]
   weights[5], a[5, 0, 0] = 0.0, np.nan
   chunk = ghost.float32_chunk(units, max_units)
-  assert chunk == {1771: 77, 40: 13}[max_units]
+  assert chunk == {1771: 77, 77: 26}[max_units]
   got = tf.function(lambda *t: ghost.chunked_linear_grad(*t, max_units),
                     jit_compile=jit)(
       tf.constant(a), tf.constant(delta), tf.constant(weights)).numpy()
@@ -732,7 +732,25 @@ def test_float32_chunks_stay_within_the_shrinks_rounding(max_units):
     assert count <= -(-units // ghost.FLOAT32_CHUNK), units
     assert count * chunk - units < count, units
   assert ghost.float32_chunk(256, 1771) == 128  # two chunks, not 8 of 32
-  assert ghost.float32_chunk(None, max_units) == ghost.FLOAT32_CHUNK
+  for units in (None, 0, max_units + 1):  # unknown, empty, float64 sum
+    assert ghost.float32_chunk(units, max_units) == ghost.FLOAT32_CHUNK
+
+
+@pytest.mark.parametrize("units,max_units,chunks", [
+    (256, 1771, 2), (1024, 1771, 18), (77, 77, 3), (40, 40, 2), (0, 40, 0)])
+def test_chunked_sum_takes_the_chunks_of_its_unit_limit(units, max_units,
+                                                        chunks):
+  """chunked_linear_grad's float32 partial sums are the ⌈U/K⌉ chunks of
+  float32_chunk(U, L) for the L it is given (the rounding test cannot tell
+  K from its result)."""
+  spec = [tf.TensorSpec([units, 1, 8], tf.float32),
+          tf.TensorSpec([units, 1, 3], tf.float32),
+          tf.TensorSpec([units], tf.float32)]
+  graph = tf.function(lambda *t: ghost.chunked_linear_grad(
+      *t, max_units)).get_concrete_function(*spec).graph
+  shapes = [op.outputs[0].shape.as_list() for op in graph.get_operations()
+            if op.type == "Einsum"]
+  assert shapes == [[chunks, 8, 3]]
 
 
 def _wide_mlp():  # a 256 x 128 kernel: the chunked float32 sum

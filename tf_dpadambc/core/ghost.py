@@ -259,17 +259,18 @@ def linear_grad(a, delta, weights):
   return grad
 
 
-# Chunked float32 sums of T = 1 layers (chunked_linear_grad): the fewest
-# units per chunk (K₀, the chunk where U is unknown when traced); the most the
-# clip may shrink for their rounding (2γ_{K₀+5}·L); the smallest kernel (p·d)
-# where they pay; the most memory their partial sums may take.
+# Chunked float32 sums of T = 1 layers (chunked_linear_grad): the chunk K₀
+# whose rounding the clip shrink is computed for (and the chunk where U is
+# unknown when traced); the most the clip may shrink for their rounding
+# (2γ_{K₀+5}·L); the smallest kernel (p·d) where they pay; the most memory
+# their partial sums may take.
 FLOAT32_CHUNK = 32
 FLOAT32_MAX_SHRINK = 2.0 ** -7
 FLOAT32_MIN_WEIGHTS = 1 << 15
 FLOAT32_MAX_PARTIAL_BYTES = 1 << 26
 
 
-def float32_rounding(chunk=FLOAT32_CHUNK):
+def float32_rounding(chunk=None):
   """γ: a bound, relative to Σ_u ‖x_u‖ (x_u = c_u a_u δ_uᵀ, c_u the float64
   clip factor), of everything rounding can add to a book-kept sum of the
   T = 1 path of :func:`chunked_linear_grad` with K = ``chunk`` units per
@@ -281,8 +282,8 @@ def float32_rounding(chunk=FLOAT32_CHUNK):
   float32: K + 3 roundings of u = 2⁻²⁴ (Higham's γ_n = nu/(1 − nu)); two
   more for the float64 norms and the float64 sum of the chunks (each
   ≪ 2⁻²⁴ relative). The float64 path of :func:`linear_grad` is covered by
-  the same γ."""
-  n = chunk + 5
+  the same γ. K defaults to FLOAT32_CHUNK."""
+  n = (FLOAT32_CHUNK if chunk is None else chunk) + 5
   return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
 
 
@@ -302,15 +303,17 @@ def float32_chunk(units, max_units):
   """K, the units per float32 chunk for a batch of U = ``units`` in a model
   whose float32 sums take at most L = ``max_units``: the largest K with
   γ_K·U ≤ γ_{FLOAT32_CHUNK}·L (:func:`float32_rounding`), the rounding
-  :func:`float32_clip_shrink` pays for, spread evenly over ⌈U/K⌉ chunks;
-  FLOAT32_CHUNK where U is unknown when traced (U ≤ L is then checked when
-  run). K ≥ FLOAT32_CHUNK for every U ≤ L.
+  :func:`float32_clip_shrink` pays for, spread evenly over ⌈U/K⌉ chunks —
+  never more chunks than ⌈U/FLOAT32_CHUNK⌉ (the memory bound of
+  :func:`float32_max_units`); FLOAT32_CHUNK where U is unknown when traced
+  (U ≤ L is then checked when run), and where U = 0 or U > L (the float64
+  sum runs: the float32 branch is only traced).
 
   Batches below L take the slack the constant shrink leaves them: fewer,
   longer chunks, so fewer float32 partial sums to write and add in float64
   (the MLP at batch 256: 2 chunks of 128 instead of 8 of 32; at 1024, 18 of
   57 instead of 32 of 32)."""
-  if units is None:
+  if units is None or units == 0 or units > max_units:
     return FLOAT32_CHUNK
   budget = float32_rounding() * float(max_units)
   chunk = max(1, min(units, int(budget / (units * 2.0 ** -24)) - 5))
