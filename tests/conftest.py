@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -11,6 +12,13 @@ tf.config.set_logical_device_configuration(
     [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
+
+# Tracebacks unfiltered: with filtering on, Keras wraps every op and layer
+# call to add its arguments to error messages, about 10% of this suite's
+# time (tracing train steps). The messages tests match are the same.
+keras.config.disable_traceback_filtering()
+tf.debugging.disable_traceback_filtering()
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -34,3 +42,34 @@ def drive(optimizer, init, mean_gradients, batch_size):
                             batch_size, batch_size, [var])
     out.append(var.numpy().copy())
   return out
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory):
+  """``with run_once(name) as (folder, fill):`` a folder shared by this
+  run's xdist workers; ``fill`` is True for the first worker to get there,
+  which fills it while the others wait on a lock, then reuse it. For the
+  module-scoped fixtures that launch processes (resume, multi-worker): run
+  once, not once per worker that gets one of their tests. (xdist's
+  ``--dist loadgroup`` would do it, but with pytest 9.2 its group suffix no
+  longer reaches the scheduler.)"""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # pytest-N/, above the workers' popen-gwK/
+
+  @contextlib.contextmanager
+  def once(name):
+    folder = root / f"once-{name}"
+    folder.mkdir(exist_ok=True)
+    with open(root / f"once-{name}.lock", "w") as lock:
+      try:
+        import fcntl  # pylint: disable=import-outside-toplevel
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+      except ImportError:  # (not POSIX: each worker fills its own)
+        folder = tmp_path_factory.mktemp(name)
+      done = folder / ".done"
+      fill = not done.exists()
+      yield folder, fill
+      if fill:
+        done.touch()
+  return once

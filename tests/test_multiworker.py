@@ -88,15 +88,19 @@ SCENARIOS = ("keras3-inside", "keras3-outside", "keras3-prebuilt",
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(run_once):
   """Every scenario, one after another, in one launch of two workers (each
   launch imports TensorFlow twice and sets up the collectives: six launches
-  took about 5 min of a 2-core CI run). Returns ``results(scenario)``."""
-  tmp_path = tmp_path_factory.mktemp("multiworker")
-  out = str(tmp_path / "{{scenario}}-{index}.json")
+  took about 5 min of a 2-core CI run), once per test run (``run_once``).
+  Returns ``results(scenario)``."""
   timeout = TIMEOUT * len(SCENARIOS) // 2
-  codes, logs = _launch([WORKER, out, *SCENARIOS], "workers", tmp_path,
-                        timeout=timeout)
+  with run_once("multiworker") as (tmp_path, fill):
+    if fill:
+      out = str(tmp_path / "{{scenario}}-{index}.json")
+      launched = _launch([WORKER, out, *SCENARIOS], "workers", tmp_path,
+                         timeout=timeout)
+      (tmp_path / "launch.json").write_text(json.dumps(launched))
+  codes, logs = json.loads((tmp_path / "launch.json").read_text())
 
   def results(scenario):
     found = []

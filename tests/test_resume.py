@@ -52,17 +52,18 @@ def _wait(process):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  out = tmp_path_factory.mktemp("resume")
-  killed = {c: _start("kill", out, c) for c in INDEPENDENT + BANDED}
-  full = _start("full", out, *INDEPENDENT)
-  for config, process in killed.items():
-    code, err = _wait(process)
-    assert code == -9, (config, code, err[-2000:])  # SIGKILL, as intended
-  code, err = _wait(full)
-  assert code == 0, err[-2000:]
-  code, err = _wait(_start("resume", out, *INDEPENDENT, *BANDED))
-  assert code == 0, err[-2000:]
+def runs(run_once):
+  with run_once("resume") as (out, fill):
+    if fill:
+      killed = {c: _start("kill", out, c) for c in INDEPENDENT + BANDED}
+      full = _start("full", out, *INDEPENDENT)
+      for config, process in killed.items():
+        code, err = _wait(process)
+        assert code == -9, (config, code, err[-2000:])  # SIGKILL, as intended
+      code, err = _wait(full)
+      assert code == 0, err[-2000:]
+      code, err = _wait(_start("resume", out, *INDEPENDENT, *BANDED))
+      assert code == 0, err[-2000:]
 
   def load(config, mode):
     with np.load(out / f"{config}-{mode}.npz") as f:
