@@ -6,9 +6,8 @@ units B:
 
     ḡ = (Σ_u clip_C(g_u) + N(0, σ²C² I)) / B     per-coordinate std σC/B
 
-Randomness is stateless and counter-based (Philox words keyed by (seed, step)
-and counted over the parameters, turned into normals by
-:func:`standard_normal`): it
+Randomness is stateless and counter-based (Philox words keyed by (seed, step,
+parameter index), turned into normals by :func:`standard_normal`): it
 compiles under XLA, and with the same seed step t draws the same noise, with
 or without XLA. Whoever knows the seed can subtract the
 noise, so the seed must stay secret: the optimizers draw one from the OS unless
