@@ -168,7 +168,7 @@ def map_units(fn, units):
     return tf.vectorized_map(fn, units, fallback_to_while_loop=False)
   spec = tf.nest.map_structure(
       lambda t: tf.TensorSpec(t.shape[1:], t.dtype), units)
-  body = tf.function(fn).get_concrete_function(spec)
+  body = tf.function(fn, autograph=False).get_concrete_function(spec)
   operations = body.graph.get_operations()
   stateful = graph.variable_writes(operations) + graph.python_calls(
       operations)

@@ -32,6 +32,7 @@ from tf_dpadambc.keras import validation
 from tf_dpadambc.keras.optimizers import base
 
 
+@tf.autograph.experimental.do_not_convert
 def private_step(model, data, optimizer=None):
   """One differentially private step of a compiled Keras 3 model; returns
   this replica's mean loss.

@@ -164,6 +164,11 @@ def _unit_losses(model, x, y, sample_weight, num_microbatches):
   return params, non_trainable, forward, example_loss, unit_loss_fn, units
 
 
+# The entry points a user's tf.function may call are not converted by
+# AutoGraph: the library's control flow is explicit, fit calls them
+# unconverted (Keras' step is do_not_convert), and converting them took a
+# fifth of the tracing of such a function.
+@tf.autograph.experimental.do_not_convert
 def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   """Every unit's gradient of a compiled Keras model's loss on one batch.
 
@@ -181,6 +186,7 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   return grads, losses, per_example.merge_microbatches(y_pred)
 
 
+@tf.autograph.experimental.do_not_convert
 def private_gradient_sum(model, x, y, sample_weight, clip,
                          num_microbatches=None, method="auto"):
   """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
@@ -295,6 +301,7 @@ def _check_loss_scale(value):
   return float(value)
 
 
+@tf.autograph.experimental.do_not_convert
 def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
   """True if the batched forward pass gives each unit the predictions (and,
   with ``y``, the per-example loss values) it gets alone (inference mode, so
@@ -393,9 +400,10 @@ def clipping_plan(model, x=None, y=None, sample_weight=None):
         model, x, y, sample_weight,
         optimizer.clip_spec(model.trainable_variables),
         optimizer.num_microbatches,
-        _record(model).clipping)).get_concrete_function()
+        _record(model).clipping), autograph=False).get_concrete_function()
   elif _record(model).plan is None:
-    tf.function(lambda: _plan_without_data(model)).get_concrete_function()
+    tf.function(lambda: _plan_without_data(model),
+                autograph=False).get_concrete_function()
   return _record(model).plan
 
 

@@ -59,7 +59,7 @@ def check_forward(model, inputs):
   # Both modes: the train step also runs the model in inference mode (its
   # first-step check), and a raw write there would persist.
   for training in (True, False):
-    traced = tf.function(lambda p, t=training: trace(p, t)
+    traced = tf.function(lambda p, t=training: trace(p, t), autograph=False
                          ).get_concrete_function(spec).graph
     writes += graph.variable_writes(traced.get_operations())
   if assigned or writes:

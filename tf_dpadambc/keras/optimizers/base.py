@@ -276,6 +276,8 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
         _AGGREGATED_GRADIENTS_ERROR.format(name=self.__class__.__name__))
 
   # -------------------------------------------------- the private path
+  # (Entry points: not converted by AutoGraph, as in keras/training.py.)
+  @tf.autograph.experimental.do_not_convert
   def apply_private(self, clipped_sum, num_units, num_examples,
                     trainable_variables=None, clipped_square_sum=None):
     """Feeds one physical batch's Σ_u clip_C(g_u) (units clipped at
@@ -296,6 +298,7 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
       self._feed(clipped_sum, clipped_square_sum, num_units, num_examples,
                  trainable_variables)
 
+  @tf.autograph.experimental.do_not_convert
   def apply_per_unit(self, per_unit_grads, num_units, num_examples,
                      trainable_variables=None, unit_mask=None):
     """Feeds one physical batch's per-unit gradients g_u ([U, ...] each).
@@ -317,6 +320,7 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
                       num_units, num_examples, variables)
     return None
 
+  @tf.autograph.experimental.do_not_convert
   def apply_query_clipped(self, result, num_units, num_examples,
                           trainable_variables=None, unit_mask=None):
     """Feeds a DPQuery with a ``ClippedSum`` clipped at :meth:`query_clip_spec`:
