@@ -46,6 +46,9 @@ with strategy.scope():  # model and optimizer in the scope
                                      noise_multiplier=noise_multiplier,
                                      learning_rate=2e-3, gamma_prime=1e-6),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  # Built here, not on the first step: a tf.function whose first trace
+  # creates variables is traced twice.
+  model.optimizer.build(model.trainable_variables)
 
 
 def dataset(context):

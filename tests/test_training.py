@@ -320,6 +320,43 @@ def test_keras_private_attributes_still_exist():
   assert model in _compat.flatten_layers(model)
 
 
+@pytest.mark.parametrize("options,poisson,metrics,with_input", [
+    ({}, False, ["accuracy"], True),
+    ({}, False, [], False),
+    ({"gradient_accumulation_steps": 2, "num_microbatches": 4}, False, [],
+     True),
+    ({"noise": "banded"}, False, [], True),
+    ({"expected_batch_size": 32}, True, ["accuracy"], True),
+], ids=["plain", "no_input", "accumulation", "dpmf", "poisson"])
+def test_the_private_step_is_traced_once(monkeypatch, options, poisson,
+                                         metrics, with_input):
+  """fit builds the model's, metrics' and optimizer's state before tracing:
+  a step whose first trace creates variables is traced (and compiled) twice
+  (_compat.build_before_first_trace, Keras' _symbolic_build). A Sequential
+  model without an Input is built there too (per-unit evaluation needs its
+  variables before the step)."""
+  traced = []
+  step = training._dp_train_step
+  monkeypatch.setattr(training, "_dp_train_step",
+                      lambda self, data: traced.append(1) or step(self, data))
+  if options.get("noise") == "banded":
+    options = {"noise": dp.CorrelatedNoise(dp.mf.Toeplitz([1.0, 0.5]),
+                                           steps=8)}
+  x, y = _data()
+  model = dp.make_private(keras.Sequential(
+      [keras.Input((D,))] * with_input
+      + [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(K)]))
+  model.compile(optimizer=dp.DPAdamBC(1.0, 1.0, **options), loss=_loss(),
+                metrics=metrics)
+  if poisson:
+    model.fit(dp.data.poisson_batches(x, y, expected_batch_size=32,
+                                      steps_per_epoch=2, seed=1),
+              epochs=1, verbose=0)
+  else:
+    model.fit(x[:64], y[:64], batch_size=16, epochs=1, verbose=0)
+  assert model.optimizer.built and len(traced) == 1
+
+
 def test_reduced_loss_is_refused():
   x, y = _data()
 

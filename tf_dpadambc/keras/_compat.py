@@ -9,7 +9,9 @@ clipping records them per layer). Ghost clipping also relies on every
 variable read inside a ``keras.StatelessScope`` going through the scope's
 ``get_current_value``. ``tests/test_training.py`` fails loudly if a Keras release
 renames any of them. (Poisson batches also set the Keras mask of the
-predictions, ``keras.src.backend.common.masking``; tests/test_poisson.py.)
+predictions, ``keras.src.backend.common.masking``; tests/test_poisson.py.
+The train step's state is built before its first trace with Keras'
+``_symbolic_build``; tests/test_training.py checks that the step traces once.)
 """
 import keras
 from keras.src.backend.common import masking
@@ -102,3 +104,36 @@ def mask_rows(outputs, keep):
           keep, [-1] + [1] * (old.shape.rank - 1))))
   for t in tf.nest.flatten(outputs):
     mark(t)
+
+
+def build_before_first_trace(model, iterator):
+  """Creates the model's, the compiled metrics' and loss' and the optimizer's
+  variables from the batch spec of ``iterator``, before the train step is
+  first traced.
+
+  Without a distribution strategy Keras defers that build to the first trace
+  of the train function; a ``tf.function`` whose first trace creates
+  variables traces a second time, so every ``fit`` traced (and compiled) the
+  private step twice. Keras runs the same symbolic build itself under a
+  strategy. Where the batch spec is unknown (``train_on_batch``) or the model
+  cannot be built symbolically, the step builds its state while tracing, as
+  before: a second trace, nothing else.
+  """
+  build = getattr(model, "_symbolic_build", None)
+  spec = getattr(iterator, "element_spec", None)
+  leaves = tf.nest.flatten(spec)
+  if build is None or not leaves or not all(
+      type(s) is tf.TensorSpec for s in leaves):  # pylint: disable=unidiomatic-typecheck
+    return
+  batch = tf.nest.map_structure(
+      lambda s: keras.KerasTensor(s.shape, s.dtype.name), spec)
+  optimizer = getattr(model, "optimizer", None)
+  unbuilt = optimizer is not None and not optimizer.built
+  try:
+    with model.distribute_strategy.scope():
+      build(data_batch=batch)
+  except Exception:  # pylint: disable=broad-except
+    if unbuilt and optimizer.built:
+      raise  # the optimizer's own refusal (invalid arguments): as in a trace
+    # The model or its metrics could not be built symbolically: the trace
+    # builds them with the real tensors (and raises there if they cannot run).

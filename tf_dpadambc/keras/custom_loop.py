@@ -55,7 +55,10 @@ def private_step(model, data, optimizer=None):
   ``optimizer``: the model's compiled optimizer by default (a tf_dpadambc
   Keras 3 optimizer); the loss is the compiled loss. Build the model and
   compile it in ``strategy.scope()``; an optimizer constructed outside the
-  scope is built here, in the scope, on the first step. Unlike ``fit``, the
+  scope is built here, in the scope, on the first step (building it before,
+  ``optimizer.build(model.trainable_variables)`` in the scope, spares the
+  second trace a ``tf.function`` makes when its first trace creates
+  variables). Unlike ``fit``, the
   step does not compare the batched and per-example forward passes on the
   first step (``tf_dpadambc.keras.training.examples_independent`` does it on
   demand); per-example evaluation keeps the step private either way.

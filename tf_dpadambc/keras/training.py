@@ -673,6 +673,9 @@ def _checked_train_function(model):
       return function
 
     def checked(*args, **kwargs):
+      if not checked.state_built:
+        _compat.build_before_first_trace(model, args[0] if args else None)
+        checked.state_built = True
       logs = function(*args, **kwargs)
       if float(logs.pop(_UNVERIFIED, 0.0)):
         raise RuntimeError(
@@ -691,6 +694,7 @@ def _checked_train_function(model):
         del logs["dp_nonfinite_examples"]  # shown only when non-zero
       return logs
     checked._tf_dpadambc_checked = True  # pylint: disable=protected-access
+    checked.state_built = False
     model.train_function = checked
     return checked
   object.__setattr__(model, "make_train_function", make_train_function)
