@@ -331,7 +331,7 @@ def test_keras_private_attributes_still_exist():
 def test_the_private_step_is_traced_once(monkeypatch, options, poisson,
                                          metrics, with_input):
   """fit builds the model's, metrics' and optimizer's state before tracing:
-  a step whose first trace creates variables is traced (and compiled) twice
+  a step whose first trace creates variables is traced twice
   (_compat.build_before_first_trace, Keras' _symbolic_build). A Sequential
   model without an Input is built there too (per-unit evaluation needs its
   variables before the step)."""

@@ -113,11 +113,11 @@ def build_before_first_trace(model, iterator):
 
   Without a distribution strategy Keras defers that build to the first trace
   of the train function; a ``tf.function`` whose first trace creates
-  variables traces a second time, so every ``fit`` traced (and compiled) the
-  private step twice. Keras runs the same symbolic build itself under a
-  strategy. Where the batch spec is unknown (``train_on_batch``) or the model
-  cannot be built symbolically, the step builds its state while tracing, as
-  before: a second trace, nothing else.
+  variables traces a second time (the first only lifts the initializers out),
+  so every ``fit`` traced the private step twice. Keras runs the same symbolic
+  build itself under a strategy. Where the batch spec is unknown
+  (``train_on_batch``) or the model cannot be built symbolically, the step
+  builds its state while tracing, as before: a second trace, nothing else.
   """
   build = getattr(model, "_symbolic_build", None)
   spec = getattr(iterator, "element_spec", None)

@@ -58,10 +58,10 @@ def private_step(model, data, optimizer=None):
   scope is built here, in the scope, on the first step (building it before,
   ``optimizer.build(model.trainable_variables)`` in the scope, spares the
   second trace a ``tf.function`` makes when its first trace creates
-  variables). Unlike ``fit``, the
-  step does not compare the batched and per-example forward passes on the
-  first step (``tf_dpadambc.keras.training.examples_independent`` does it on
-  demand); per-example evaluation keeps the step private either way.
+  variables). Unlike ``fit``, the step does not compare the batched and
+  per-example forward passes on the first step
+  (``tf_dpadambc.keras.training.examples_independent`` does it on demand);
+  per-example evaluation keeps the step private either way.
   On one device every optimizer works as under ``fit`` (a DPQuery clips and
   releases through its own ``preprocess_record``). Refused
   (``NotImplementedError``) under several replicas: DPQueries, public
