@@ -357,6 +357,31 @@ def test_the_private_step_is_traced_once(monkeypatch, options, poisson,
   assert model.optimizer.built and len(traced) == 1
 
 
+def test_weights_created_inside_the_step_are_refused_before_any_update():
+  """A layer built only in training mode creates its weights inside the
+  step, after fit built the optimizer from the inference-mode build: the
+  step refuses (clearly) instead of clipping or updating a variable set the
+  optimizer does not know."""
+
+  class TrainingOnlyBlock(keras.Model):
+
+    def __init__(self):
+      super().__init__()
+      self.first, self.extra = keras.layers.Dense(4), keras.layers.Dense(4)
+      self.last = keras.layers.Dense(K)
+
+    def call(self, x, training=None):
+      h = self.first(x)
+      return self.last(self.extra(h) if training else h)
+
+  x, y = _data()
+  model = dp.make_private(TrainingOnlyBlock())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0), loss=_loss())
+  with pytest.raises(ValueError, match="built for other trainable variables"):
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  assert int(model.optimizer.iterations.numpy()) == 0
+
+
 def test_reduced_loss_is_refused():
   x, y = _data()
 

@@ -340,6 +340,19 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
                      else trainable_variables)
     if not self.built:
       self.build(variables)
+      return variables
+    try:
+      self._check_variables_are_known(variables)  # Keras' own check
+    except ValueError as e:
+      # (A model whose layers create weights inside the train step: fit
+      # builds the optimizer from the symbolic, inference-mode build.)
+      raise ValueError(
+          f"{self.name} was built for other trainable variables than this "
+          f"step's ({e}). A layer that creates its weights only in training "
+          "mode, or a change of trainable weights after the optimizer was "
+          "built, does this: build every layer before fit (call the model "
+          "on a batch with training=True), or compile with a new "
+          "optimizer.") from e
     return variables
 
   def _feed(self, clipped_sum, clipped_square_sum, num_units, num_examples,
