@@ -1,8 +1,17 @@
 import contextlib
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# XLA's CPU backend without LLVM's optimization passes: the same optimized
+# HLO (XLA's own passes, fusion and the order of reductions do not depend on
+# it), compiled in about half the time, and compiling train steps is a large
+# part of this suite's time. Inherited by the processes tests launch;
+# benchmarks keep the default.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_backend_optimization_level=0").strip()
 
 import tensorflow as tf  # noqa: E402
 
@@ -21,6 +30,10 @@ tf.debugging.disable_traceback_filtering()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+# The modules imported so far live for the whole run: out of the collector's
+# full passes, which otherwise rescan them as traced graphs accumulate.
+gc.freeze()
 
 
 @pytest.fixture(autouse=True)
