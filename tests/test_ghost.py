@@ -500,10 +500,8 @@ def test_recurrent_models_clip_exactly(rnn):
   else:
     assert plan.fallback is None
     assert "unrolled cell" in plan.entries[1].method
-  model = dp.make_private(model)
-  model.compile(optimizer=dp.DPAdamBC(1.0, 1.0), loss=LOSS, jit_compile=True)
-  history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-  assert np.isfinite(history.history["loss"][0])
+  # One XLA-compiled fit step of each kind (and of a backwards layer, in a
+  # Bidirectional) equals the clipped SGD step: test_recurrent.py.
 
 
 def test_a_recurrent_model_running_python_in_its_loop_is_refused():
