@@ -549,9 +549,10 @@ def _equal_rows(delta):
   as before). Finite is checked on the sums over T: a NaN or ±inf anywhere
   makes its column's sum non-finite in any order of addition (an overflow
   of finite values fails too, and goes to the general path), so the
-  maximum and minimum need no NaN semantics. Three reductions over T of
-  one read of δ, which XLA fuses: a third less time than comparing every
-  row with the first (a materialized [U, T, d] mask and its reduction).
+  maximum and minimum need no NaN semantics. Three reductions over T (on
+  the CPU XLA runs them as three library calls) and no [U, T, d] mask:
+  under XLA 1.4 → 0.9 ms at 256 units of 256 × 16, 4.1 → 2.0 ms at 1,024,
+  against comparing every row with the first and reducing that mask.
   T = 0 fails here (−inf ≠ inf) and goes to the masked-rows check.
   (g: the first row as a sum over a slice, so that T = 0 gives g = 0.)"""
   finite = tf.reduce_all(tf.math.is_finite(tf.reduce_sum(delta, axis=1)))
