@@ -40,12 +40,17 @@ and an LSTM text classifier):
   (the whole batch in one ``vmap``) and with ``microbatch_size=32`` (a
   ``scan`` over vmapped chunks: 10-20x faster on this CPU). Their ratios are
   to the JAX non-private row; the targets compare the faster one's ms/step
-  with DPAdamBC's. Peak memory there is the RSS view (JAX keeps no allocator
-  statistics on the CPU).
+  with DPAdamBC's. Peak memory there is the RSS view on the CPU (JAX keeps no
+  allocator statistics there) and JAX's allocator on a GPU (its peak over the
+  whole fit, compilation included: JAX cannot reset it).
 
 ``--device``: ``cpu`` hides every GPU (``CUDA_VISIBLE_DEVICES=-1``, and
 ``JAX_PLATFORMS=cpu``), ``gpu`` refuses to run without one, ``auto`` (the
-default) measures on ``GPU:0`` where TensorFlow sees one.
+default) measures on ``GPU:0`` where TensorFlow sees one. The step timer
+reads each step's logs, which waits for an asynchronous device. Where this
+interpreter cannot import TensorFlow but ``--jaxp-python`` works (a GPU
+machine with JAX alone), the jax_privacy rows run and the output says why
+the Keras 3 rows did not.
 
 How: every configuration runs in a process of its own (allocator pools and
 peaks do not mix; a crash or a timeout costs one row: a fork of a server that
@@ -194,6 +199,13 @@ class _Memory:
       if gpu:
         raise
       self.allocator = False
+    self.jax_gpu = None  # JAX on a GPU: its allocator's statistics
+    if tf is None:
+      with contextlib.suppress(Exception):
+        import jax
+        device = jax.devices()[0]
+        if device.platform == "gpu" and device.memory_stats():
+          self.jax_gpu = device
     self.rss_before_fit = _status_kib("VmRSS")
     self.maxrss_before_fit = _maxrss_kib()
     self.method = self.base = self.rss_hwm_warmup = None
@@ -209,6 +221,10 @@ class _Memory:
       self.tf.config.experimental.reset_memory_stats(self.device)
       self.base = self._info()["current"]
       self.method = f"tf-allocator:{self.device}"
+      return
+    if self.jax_gpu is not None:  # JAX cannot reset its peak
+      self.base = self.jax_gpu.memory_stats()["bytes_in_use"]
+      self.method = "jax-allocator:gpu, peak of the whole fit"
       return
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
@@ -231,6 +247,8 @@ class _Memory:
     hwm = _status_kib("VmHWM")
     if self.allocator:
       peak = self._info()["peak"]
+    elif self.jax_gpu is not None:
+      peak = self.jax_gpu.memory_stats()["peak_bytes_in_use"]
     elif self.method == "ru_maxrss-whole-fit":
       peak = _maxrss_kib() * 1024
     else:
@@ -287,6 +305,9 @@ def _timer_class(k):
       self.warmup_s = None
 
     def on_train_batch_end(self, batch, logs=None):
+      for value in (logs or {}).values():  # waits for an asynchronous device
+        with contextlib.suppress(TypeError, ValueError):
+          float(value)
       now = time.perf_counter()
       self.count += 1
       if self.count < self.warmup:
@@ -536,12 +557,21 @@ def _load():
   return "load average ?"
 
 
-def machine_info():
-  """CPU count, GPU name, versions, and whether make_private takes clipping=."""
-  import tensorflow as tf
-  info = dict(cpus=os.cpu_count(), python=platform.python_version(),
-              tensorflow=tf.__version__, gpus=[],
+def machine_info(kind="keras3"):
+  """CPU count, GPU name, versions, and whether make_private takes clipping=.
+
+  ``kind="jaxp"``: what the JAX environment sees (no TensorFlow there).
+  """
+  info = dict(cpus=os.cpu_count(), python=platform.python_version(), gpus=[],
               cpu_model=_cpu_model(), platform=platform.platform())
+  if kind == "jaxp":
+    import jax
+    import keras
+    info.update(jax=jax.__version__, keras=keras.__version__, gpus=[
+        d.device_kind for d in jax.devices() if d.platform == "gpu"])
+    return info
+  import tensorflow as tf
+  info["tensorflow"] = tf.__version__
   for gpu in tf.config.list_physical_devices("GPU"):
     details = tf.config.experimental.get_device_details(gpu)
     info["gpus"].append(details.get("device_name", gpu.name))
@@ -557,7 +587,8 @@ def _worker(spec):
   with contextlib.suppress(OSError):  # the OOM killer takes it first
     with open("/proc/self/oom_score_adj", "w") as f:
       f.write("1000")
-  out = machine_info() if spec.get("probe") else measure(**spec)
+  out = (machine_info(os.environ.get(_KIND_VARIABLE, "keras3"))
+         if spec.get("probe") else measure(**spec))
   print(RESULT_MARK + json.dumps(out), flush=True)
 
 
@@ -615,7 +646,8 @@ def _serve():
       os.dup2(log.fileno(), 2)
       spec = request["spec"]
       try:
-        out = machine_info() if spec.get("probe") else measure(**spec)
+        out = (machine_info(os.environ.get(_KIND_VARIABLE, "keras3"))
+               if spec.get("probe") else measure(**spec))
         data = json.dumps({"result": out}).encode()
       except BaseException as e:  # noqa: BLE001
         data = json.dumps({"error": _condense(e)}).encode()
@@ -826,19 +858,27 @@ def run_suite(models, batch_sizes, steps=None, isolate=True, tfp_python=None,
   steps = dict(DEFAULT_STEPS, **(steps or {}))
   runners = {}
   try:
+    keras3_skipped = None
     if isolate:
       runners["keras3"] = _Runner(sys.executable, fresh=fresh, device=device)
       ok, why = runners["keras3"].start()
       info, error = (runners["keras3"].run({"probe": True}, timeout) if ok
                      else (None, why))
       if info is None:
-        raise RuntimeError(f"probe failed: {error}")
+        if not (jaxp_python and wanted & set(JAXP_CONFIGS)):
+          raise RuntimeError(f"probe failed: {error}")
+        # No TensorFlow here (a GPU machine with JAX alone, say): the
+        # jax_privacy rows still run, and the output says why ours did not.
+        runners.pop("keras3").close()
+        keras3_skipped = f"Keras 3 on TensorFlow not run here: {error}"
+        info = dict(gpus=None)
     else:
       info = machine_info()
-    if device == "gpu" and not info["gpus"]:
+    if device == "gpu" and info["gpus"] == []:
       raise RuntimeError("--device gpu: TensorFlow sees no GPU here")
     info["device"] = "GPU:0" if info["gpus"] else "CPU:0"
-    configs = [c for c in KERAS3_CONFIGS if c in wanted]
+    info["keras3_skipped"] = keras3_skipped
+    configs = [c for c in KERAS3_CONFIGS if c in wanted and not keras3_skipped]
     info["tfp"] = None
     if not wanted & set(TFP_CONFIGS):
       info["tfp_skipped"] = "TF-Privacy not run: not among --configs"
@@ -864,15 +904,23 @@ def run_suite(models, batch_sizes, steps=None, isolate=True, tfp_python=None,
       runners["jaxp"] = _Runner(jaxp_python, kind="jaxp", fresh=fresh,
                                 device=device)
       ok, detail = runners["jaxp"].start()
-      if ok:
-        info["jaxp"] = dict(python=jaxp_python,
+      probe, error = (runners["jaxp"].run({"probe": True}, timeout) if ok
+                      else (None, detail))
+      if probe is not None:
+        if device == "gpu" and not probe["gpus"]:
+          raise RuntimeError("--device gpu: JAX sees no GPU here")
+        info["jaxp"] = dict(python=jaxp_python, gpus=probe["gpus"],
+                            jax=probe["jax"], keras=probe["keras"],
                             version=detail.get("version", "?"))
+        if keras3_skipped:  # the machine as the JAX environment sees it
+          info.update({k: v for k, v in probe.items() if k != "keras"},
+                      device="GPU:0" if probe["gpus"] else "CPU:0")
         configs += [c for c in JAXP_CONFIGS if c in wanted]
       else:
-        info["jaxp_skipped"] = f"{JAXP_SKIP_MESSAGE} ({jaxp_python}: {detail})"
+        info["jaxp_skipped"] = f"{JAXP_SKIP_MESSAGE} ({jaxp_python}: {error})"
     info["load_before"] = _load()
     log(_machine_line(info) + "; " + info["load_before"])
-    for skipped in ("tfp_skipped", "jaxp_skipped"):
+    for skipped in ("keras3_skipped", "tfp_skipped", "jaxp_skipped"):
       if info.get(skipped):
         log(info[skipped])
     results = []
@@ -921,11 +969,13 @@ def _short(r):
 
 def _machine_line(info):
   gpus = ", ".join(info.get("gpus") or []) or "none"
+  frameworks = (f"TensorFlow {info.get('tensorflow')}, Keras "
+                f"{info.get('keras', '?')}; make_private(clipping=): "
+                f"{'yes' if info.get('make_private_clipping') else 'no'}")
+  if info.get("keras3_skipped"):
+    frameworks = f"no TensorFlow; JAX {info.get('jax', '?')}"
   return (f"Machine: {info.get('cpus')} CPUs ({info.get('cpu_model')}), "
-          f"GPU: {gpus}; Python "
-          f"{info.get('python')}, TensorFlow {info.get('tensorflow')}, Keras "
-          f"{info.get('keras', '?')}; make_private(clipping=): "
-          f"{'yes' if info.get('make_private_clipping') else 'no'}")
+          f"GPU: {gpus}; Python {info.get('python')}, {frameworks}")
 
 
 def _lookup(results, batch_size, name, config):
@@ -1142,10 +1192,14 @@ def main(argv=None):
           f"{info['tfp']['python']}")
   else:
     print(info.get("tfp_skipped", ""))
+  if info.get("keras3_skipped"):
+    print(info["keras3_skipped"])
   if info.get("jaxp"):
-    print(f"jax_privacy {info['jaxp']['version']} (Keras 3, JAX backend) "
-          f"under {info['jaxp']['python']}; its ratios are to "
-          f"'{JAX_BASELINE}' of the same run")
+    jaxp = info["jaxp"]
+    print(f"jax_privacy {jaxp['version']} (Keras {jaxp['keras']}, JAX "
+          f"{jaxp['jax']}, GPU: {', '.join(jaxp['gpus']) or 'none'}) under "
+          f"{jaxp['python']}; its ratios are to '{JAX_BASELINE}' of the same "
+          "run")
   else:
     print(info.get("jaxp_skipped", ""))
   methods = sorted({r["mem_method"] for r in results if r.get("mem_method")})

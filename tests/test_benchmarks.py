@@ -92,3 +92,48 @@ def test_profile_step_names_each_thunk_by_its_tensorflow_op(tmp_path):
   assert names["multiply_add_fusion.3"].endswith("AddV2 DPAdamBC/add_2")
   assert names["copy.1"] == "f32[10]{0}"
   assert "absent" not in names
+
+
+class _FakeRunner:
+  """Stands in for suite._Runner: no TensorFlow in the "keras3" environment
+  (a GPU machine with JAX alone), a JAX environment that sees a GPU."""
+
+  def __init__(self, python, kind="keras3", fresh=False, device="auto"):
+    self.kind, self.device = kind, device
+
+  def start(self):
+    if self.kind == "keras3":
+      return False, "ModuleNotFoundError: No module named 'tensorflow'"
+    return True, {"version": "2.0.0"}
+
+  def run(self, spec, timeout):
+    if spec.get("probe"):
+      return dict(cpus=16, python="3.12", cpu_model="x", platform="p",
+                  gpus=["NVIDIA H100"], jax="0.11", keras="3.15"), None
+    ms = 1.0 if spec["config"] == suite.JAX_BASELINE else 4.0
+    return dict(model=spec["name"], config=spec["config"],
+                batch_size=spec["batch_size"], status="ok", ms_per_step=ms,
+                peak_mib=1.0, steps_timed=3, warmup_s=1.0), None
+
+  def close(self):
+    pass
+
+
+def test_without_tensorflow_the_jax_rows_still_run(monkeypatch):
+  """Where this interpreter cannot import TensorFlow, the jax_privacy rows
+  run (the machine as JAX sees it, --device gpu honoured) and the output
+  says why the Keras 3 rows did not; without --jaxp-python it fails."""
+  monkeypatch.setattr(suite, "_Runner", _FakeRunner)
+  configs = ["Adam", "DPAdamBC", suite.JAXP_CONFIGS[2]]
+  info, results = suite.run_suite(["mlp"], [256], configs=configs,
+                                  jaxp_python="python3", tfp_python=False,
+                                  device="gpu", log=lambda *a: None)
+  assert [r["config"] for r in results] == [suite.JAX_BASELINE, configs[2]]
+  assert "No module named 'tensorflow'" in info["keras3_skipped"]
+  assert info["gpus"] == ["NVIDIA H100"] and info["device"] == "GPU:0"
+  assert "no TensorFlow; JAX 0.11" in suite._machine_line(info)
+  rows = [r for r in suite.tables(results, ["mlp"], [256]) if "mlp" in r]
+  assert "| 4.00x |" in rows[1]
+  with pytest.raises(RuntimeError, match="probe failed"):
+    suite.run_suite(["mlp"], [256], configs=configs, tfp_python=False,
+                    log=lambda *a: None)
