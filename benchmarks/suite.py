@@ -305,9 +305,9 @@ def _timer_class(k):
       self.warmup_s = None
 
     def on_train_batch_end(self, batch, logs=None):
-      for value in (logs or {}).values():  # waits for an asynchronous device
+      if logs:  # waits for an asynchronous device: one value, every row
         with contextlib.suppress(TypeError, ValueError):
-          float(value)
+          float(logs.get("loss", next(iter(logs.values()))))
       now = time.perf_counter()
       self.count += 1
       if self.count < self.warmup:
