@@ -47,7 +47,7 @@ and an LSTM text classifier):
 ``--device``: ``cpu`` hides every GPU (``CUDA_VISIBLE_DEVICES=-1``, and
 ``JAX_PLATFORMS=cpu``), ``gpu`` refuses to run without one, ``auto`` (the
 default) measures on ``GPU:0`` where TensorFlow sees one. The step timer
-reads each step's logs, which waits for an asynchronous device. Where this
+reads each step's loss, which waits for an asynchronous device. Where this
 interpreter cannot import TensorFlow but ``--jaxp-python`` works (a GPU
 machine with JAX alone), the jax_privacy rows run and the output says why
 the Keras 3 rows did not.
