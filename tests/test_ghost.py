@@ -100,6 +100,22 @@ def _conv1d():
       keras.layers.Flatten(), keras.layers.Dense(3)])
 
 
+def _conv2d_one_channel():  # per-unit gradients by a depthwise convolution
+  return keras.Sequential([
+      keras.Input((9, 9, 1)),
+      keras.layers.Conv2D(4, (3, 2), strides=2, padding="same",
+                          activation="relu"),
+      keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+def _conv1d_one_channel():
+  return keras.Sequential([
+      keras.Input((12, 1)),
+      keras.layers.Conv1D(3, 4, strides=2, padding="causal",
+                          activation="relu"),
+      keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
 def _einsum():
   return keras.Sequential([
       keras.Input((5, 6)),
@@ -129,7 +145,8 @@ def _data(model, rng, batch=8):
 
 MODELS = {"dense": _mlp, "dense_sequence": _sequence_dense,
           "embedding_layernorm": _embedding, "conv2d": _conv2d,
-          "conv1d": _conv1d, "einsum_dense": _einsum,
+          "conv1d": _conv1d, "conv2d_one_channel": _conv2d_one_channel,
+          "conv1d_one_channel": _conv1d_one_channel, "einsum_dense": _einsum,
           "multi_head_attention": _attention}
 
 
@@ -149,7 +166,8 @@ def test_fast_norms_and_sum_equal_the_per_unit_reference(
   assert plan.fallback is None, plan
 
 
-@pytest.mark.parametrize("name", ["conv2d", "embedding_layernorm",
+@pytest.mark.parametrize("name", ["conv2d", "conv2d_one_channel",
+                                  "embedding_layernorm",
                                   "multi_head_attention"])
 def test_identical_with_and_without_jit_compile(name):
   rng = np.random.default_rng(1)
@@ -187,7 +205,7 @@ def test_per_layer_clipping_and_automatic_clipping():
 
 @pytest.mark.parametrize("name,microbatches", [
     ("dense", None), ("dense_sequence", 2), ("embedding_layernorm", None),
-    ("conv1d", 4)])
+    ("conv1d", 4), ("conv1d_one_channel", 4)])
 def test_sum_of_squares_for_joint_moment_estimation(name, microbatches):
   rng = np.random.default_rng(14)
   model = MODELS[name]()
@@ -210,6 +228,8 @@ def test_plan_picks_the_cheaper_method_per_layer():
   ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None)
   methods = [e.method for e in dp.clipping_plan(model).entries]
   assert methods[0].startswith("materialized per unit (T=196: 2T²"), methods
+  assert methods[0].endswith("depthwise convolution over the rows (one "
+                             "channel)"), methods
   # 2T² < pd, but the per-unit gradients take less memory than 2T(p + d).
   assert methods[1].startswith(
       "materialized per unit (T=36: pd=8192 ≤ 2T(p+d)=20736"), methods
@@ -656,6 +676,54 @@ def test_conv_grad_by_patches_equals_the_filter_backprop(kernel, strides,
     got = tf.function(ghost.conv_grad, jit_compile=jit)(*args)
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_single_channel_conv_unit_grads_are_each_rows_own(jit):
+  """single_channel_conv_unit_grads (a depthwise convolution over the rows)
+  equals the per-row product of the patches and δ, for 2-D and 1-D
+  convolutions, strides, SAME/VALID/causal padding and rectangular
+  kernels; a row with NaN or inf in its input or its δ gets a NaN ĝ, and
+  the other rows' ĝ are bitwise what they are without it."""
+  rng = np.random.default_rng(21)
+  configs = [((28, 28), (8, 8), (2, 2), "same"), ((9, 8), (3, 2), (2, 1),
+                                                 "same"),
+             ((9, 8), (4, 3), (1, 2), "valid"), ((11,), (3,), (1,), "causal"),
+             ((12,), (4,), (2,), "same"), ((10,), (5,), (3,), "valid")]
+  for spatial, kernel, strides, padding in configs:
+    x = rng.normal(size=(5, *spatial, 1)).astype("float32")
+    kernel_shape = (*kernel, 1, 3)
+    causal = ghost._causal(tf.constant(x), kernel, padding, (1,))[0]  # pylint: disable=protected-access
+    z = tf.nn.convolution(causal, tf.zeros(kernel_shape), strides=list(strides),
+                          padding=("VALID" if padding == "causal"
+                                   else padding.upper()))
+    delta = rng.normal(size=z.shape).astype("float32")
+    fn = tf.function(lambda a, b: ghost.single_channel_conv_unit_grads(
+        a, b, kernel, strides, padding), jit_compile=jit)
+    assert ghost.single_channel_conv_applies(tf.TensorShape(x.shape),
+                                             kernel_shape, (1,) * len(kernel))
+    got = fn(tf.constant(x), tf.constant(delta)).numpy()
+    patches = ghost.conv_patches(tf.constant(x), kernel, strides, padding,
+                                 (1,) * len(kernel))
+    want = ghost.shared_unit_grads(
+        patches, tf.reshape(delta, [5, -1, 3])).numpy()
+    assert got.shape == want.shape == (5, np.prod(kernel), 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for where, value in ((x, np.nan), (x, np.inf), (delta, -np.inf)):
+      original = where[2].copy()
+      where[2].flat[1] = value
+      poisoned = fn(tf.constant(x), tf.constant(delta)).numpy()
+      where[2] = original
+      assert np.all(np.isnan(poisoned[2]))
+      np.testing.assert_array_equal(np.delete(poisoned, 2, 0),
+                                    np.delete(got, 2, 0))
+  # Not taken: several channels, a dilation, an unknown spatial size.
+  assert not ghost.single_channel_conv_applies(
+      tf.TensorShape([4, 9, 9, 3]), (3, 3, 3, 8), (1, 1))
+  assert not ghost.single_channel_conv_applies(
+      tf.TensorShape([4, 9, 9, 1]), (3, 3, 1, 8), (2, 2))
+  assert not ghost.single_channel_conv_applies(
+      tf.TensorShape([4, None, 9, 1]), (3, 3, 1, 8), (1, 1))
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -7,7 +7,8 @@ the default (3), where LLVM may schedule and contract floating-point code
 differently. The tests that pin XLA's arithmetic — the sampler (bitwise the
 same with and without XLA, its polynomial's error on every angle), the
 exact pooled-embedding norms, ghost sums identical with and without
-``jit_compile``, and an XLA-compiled ``fit`` held to the clip bound on a
+``jit_compile``, one-channel convolutions' per-unit gradients each a function
+of its own row, and an XLA-compiled ``fit`` held to the clip bound on a
 model that folds the batch — run again here, in a process of their own at
 level 3.
 """
@@ -22,6 +23,8 @@ SELECTED = [
     "tests/test_ghost.py::test_embedding_norms_of_pooled_gradients_by_counting",
     "tests/test_ghost.py::test_identical_with_and_without_jit_compile"
     "[embedding_layernorm]",
+    "tests/test_ghost.py::test_single_channel_conv_unit_grads_are_each_rows_own"
+    "[True]",
     "tests/test_adversarial.py::test_fit_moves_the_weights_by_at_most_the_bound"
     "[fold_rows-options0]",
 ]

@@ -147,6 +147,39 @@ class Conv(Linear):
                            layer.padding, layer.dilation_rate)
     return a, base.flatten_positions(delta)
 
+  def _single_channel(self):
+    layer = self.layer
+    return all(ghost.single_channel_conv_applies(
+        c.merged(c.inputs).shape, layer.kernel.shape, layer.dilation_rate)
+               for c in self.calls)
+
+  def _shared(self, deltas):
+    """One input channel: the shared per-unit gradients by a depthwise
+    convolution over the rows (``ghost.single_channel_conv_unit_grads``),
+    summed over a unit's rows and calls; the patches (a) are then only
+    read for their shape, and pruned from the step."""
+    if not self._single_channel():
+      return super()._shared(deltas)
+    if self._cache is None or self._cache[0] is not deltas:
+      a, d = self._ad(deltas)
+      grads = None
+      if ghost.materializes_both(a.shape[1], a.shape[2], d.shape[2]):
+        layer = self.layer
+        grads = tf.add_n([base.per_unit_sum(
+            ghost.single_channel_conv_unit_grads(
+                c.merged(c.inputs), c.merged(dc), layer.kernel_size,
+                layer.strides, layer.padding), c.rows)
+                          for c, dc in zip(self.calls, deltas)])
+      self._cache = deltas, a, d, grads
+    return self._cache[1:]
+
+  def plan(self):
+    text = super().plan()
+    if text.startswith("materialized per unit (T=") and (
+        self._single_channel()):
+      text += " by a depthwise convolution over the rows (one channel)"
+    return text
+
   def kernel_sum(self, deltas, weights):
     # Book-kept from the patches (ghost.conv_grad); or the shared per-unit
     # gradients where the norms materialized them. A unit's weight is
