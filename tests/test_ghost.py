@@ -683,8 +683,10 @@ def test_single_channel_conv_unit_grads_are_each_rows_own(jit):
   """single_channel_conv_unit_grads (a depthwise convolution over the rows)
   equals the per-row product of the patches and δ, for 2-D and 1-D
   convolutions, strides, SAME/VALID/causal padding and rectangular
-  kernels; a row with NaN or inf in its input or its δ gets a NaN ĝ, and
-  the other rows' ĝ are bitwise what they are without it."""
+  kernels, rows of magnitude 1e30 included (scaled by powers of two and
+  back); a row with NaN or inf in its input or its δ gets a NaN ĝ, and the
+  other rows' ĝ are bitwise what they are without it, as with a row of
+  3e38; no rows give no gradients."""
   rng = np.random.default_rng(21)
   configs = [((28, 28), (8, 8), (2, 2), "same"), ((9, 8), (3, 2), (2, 1),
                                                  "same"),
@@ -692,12 +694,14 @@ def test_single_channel_conv_unit_grads_are_each_rows_own(jit):
              ((12,), (4,), (2,), "same"), ((10,), (5,), (3,), "valid")]
   for spatial, kernel, strides, padding in configs:
     x = rng.normal(size=(5, *spatial, 1)).astype("float32")
+    x[3] *= 1e30
     kernel_shape = (*kernel, 1, 3)
     causal = ghost._causal(tf.constant(x), kernel, padding, (1,))[0]  # pylint: disable=protected-access
     z = tf.nn.convolution(causal, tf.zeros(kernel_shape), strides=list(strides),
                           padding=("VALID" if padding == "causal"
                                    else padding.upper()))
     delta = rng.normal(size=z.shape).astype("float32")
+    delta[4] *= 1e6
     fn = tf.function(lambda a, b: ghost.single_channel_conv_unit_grads(
         a, b, kernel, strides, padding), jit_compile=jit)
     assert ghost.single_channel_conv_applies(tf.TensorShape(x.shape),
@@ -709,14 +713,20 @@ def test_single_channel_conv_unit_grads_are_each_rows_own(jit):
         patches, tf.reshape(delta, [5, -1, 3])).numpy()
     assert got.shape == want.shape == (5, np.prod(kernel), 3)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for where, value in ((x, np.nan), (x, np.inf), (delta, -np.inf)):
+    for where, value in ((x, np.nan), (x, np.inf), (delta, -np.inf),
+                         (x, 3e38)):
       original = where[2].copy()
       where[2].flat[1] = value
       poisoned = fn(tf.constant(x), tf.constant(delta)).numpy()
       where[2] = original
-      assert np.all(np.isnan(poisoned[2]))
+      if np.isfinite(value):
+        assert np.all(np.isfinite(poisoned[2]) | np.isinf(poisoned[2]))
+      else:
+        assert np.all(np.isnan(poisoned[2]))
       np.testing.assert_array_equal(np.delete(poisoned, 2, 0),
                                     np.delete(got, 2, 0))
+    empty = fn(tf.zeros([0, *x.shape[1:]]), tf.zeros([0, *delta.shape[1:]]))
+    assert empty.shape == (0, np.prod(kernel), 3)
   # Not taken: several channels, a dilation, an unknown spatial size.
   assert not ghost.single_channel_conv_applies(
       tf.TensorShape([4, 9, 9, 3]), (3, 3, 3, 8), (1, 1))

@@ -786,7 +786,10 @@ def single_channel_conv_unit_grads(x, delta, kernel_size, strides, padding):
   which an implementation may run as a dense one with zero filter blocks:
   exact zeros for the other rows, but 0·inf = NaN, so non-finite values
   are zeroed before it and the row's ĝ_n made NaN after it (a row with any
-  non-finite input or output gradient adds nothing; see :func:`masked`).
+  non-finite input or output gradient adds nothing; see :func:`masked`),
+  and a huge row is scaled down by a power of two before it (undone
+  after it), so that no transform of it overflows. On the CPU XLA keeps
+  one grouped convolution.
   float32 (float64 inputs stay float64), as :func:`shared_unit_grads`,
   whose privacy argument is this one's: norms and sums from this tensor.
   """
@@ -804,19 +807,55 @@ def single_channel_conv_unit_grads(x, delta, kernel_size, strides, padding):
     x = tf.pad(x, [[0, 0], [pad_h // 2, pad_h - pad_h // 2],
                    [pad_w // 2, pad_w - pad_w // 2], [0, 0]])
   rows = tf.shape(x)[0]
-  finite = lambda t: tf.math.is_finite(t)
-  bad = tf.logical_not(
-      tf.reduce_all(finite(tf.reshape(x, [rows, -1])), axis=1)
-      & tf.reduce_all(finite(tf.reshape(delta, [rows, -1])), axis=1))
-  x = tf.where(finite(x), x, tf.zeros([], dtype))
-  delta = tf.where(finite(delta), delta, tf.zeros([], dtype))
+  # One zero row more: XLA's CPU convolution dies (SIGFPE) on 0 channels.
+  x = tf.concat([x, tf.zeros([1, *x.shape[1:]], dtype)], 0)
+  delta = tf.concat([delta, tf.zeros([1, *delta.shape[1:]], dtype)], 0)
+  flat = lambda t: tf.reshape(t, [rows + 1, -1])
+  finite = lambda t: tf.reduce_all(tf.math.is_finite(flat(t)), axis=1)
+  bad = tf.logical_not(finite(x) & finite(delta))
+  x = tf.where(tf.math.is_finite(x), x, tf.zeros([], dtype))
+  delta = tf.where(tf.math.is_finite(delta), delta, tf.zeros([], dtype))
+  # Huge rows scaled down by a power of two (exact), so that no transform
+  # of them (Winograd, FFT) overflows into the other rows' results.
+  x, x_exp = _scaled_down(x, flat)
+  delta, delta_exp = _scaled_down(delta, flat)
   out = tf.nn.depthwise_conv2d(
-      tf.transpose(x, [3, 1, 2, 0]),             # [1, H, W, N]
-      tf.transpose(delta, [1, 2, 0, 3]),         # [out_h, out_w, N, d]
+      tf.transpose(x, [3, 1, 2, 0]),             # [1, H, W, N + 1]
+      tf.transpose(delta, [1, 2, 0, 3]),         # [out_h, out_w, N + 1, d]
       strides=[1, 1, 1, 1], padding="VALID", dilations=[sh, sw])
-  grads = tf.reshape(out[0, :kh, :kw], [kh * kw, rows, filters])
-  grads = tf.transpose(grads, [1, 0, 2])         # [N, k_h·k_w, d]
-  return tf.where(bad[:, None, None], tf.constant(math.nan, dtype), grads)
+  grads = tf.reshape(out[0, :kh, :kw], [kh * kw, rows + 1, filters])
+  grads = tf.transpose(grads, [1, 0, 2])         # [N + 1, k_h·k_w, d]
+  # Scaled back in float64, where 2^(2h) is a normal number (a float32
+  # result beyond float32's range becomes ±inf, as the product would).
+  scale = _power_of_two(x_exp + delta_exp, tf.float64)[:, None, None]
+  grads = tf.cast(tf.cast(grads, tf.float64) * scale, dtype)
+  return tf.where(bad[:, None, None], tf.constant(math.nan, dtype),
+                  grads)[:rows]
+
+
+def _power_of_two(exponent, dtype):
+  """2^k, exactly, for integer k within the dtype's normal range."""
+  if dtype == tf.float64:
+    bits = tf.bitwise.left_shift(tf.cast(exponent, tf.int64) + 1023,
+                                 tf.constant(52, tf.int64))
+    return tf.bitcast(bits, tf.float64)
+  bits = tf.bitwise.left_shift(tf.cast(exponent, tf.int32) + 127,
+                               tf.constant(23, tf.int32))
+  return tf.bitcast(bits, tf.float32)
+
+
+def _scaled_down(t, flat):
+  """(t·2^−k per row, k [N]): k = h where the row's largest magnitude is
+  above 2^h, else 0 (h = 64 in float32, 256 in float64): every value then
+  at most 2^h, far from overflowing in a sum of a few thousand of them.
+  One factor, so that no optimizer can fold two into a subnormal; exact
+  but for values below 2^(h−126) in such a row (flushed to 0). ``t``
+  finite."""
+  h = 256 if t.dtype == tf.float64 else 64
+  huge = tf.reduce_max(tf.abs(flat(t)), axis=1) > 2.0 ** h
+  exponent = tf.where(huge, h, 0)
+  shape = [-1] + [1] * (t.shape.rank - 1)
+  return t * tf.reshape(_power_of_two(-exponent, t.dtype), shape), exponent
 
 
 def conv_grad(x, delta, weights, kernel_shape, strides, padding,
