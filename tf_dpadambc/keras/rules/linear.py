@@ -64,10 +64,15 @@ class Linear(base.Rule):
     shared_unit_grads explains why float32 is then private."""
     if self._cache is None or self._cache[0] is not deltas:
       a, d = self._ad(deltas)
-      grads = (ghost.shared_unit_grads(a, d) if ghost.materializes_both(
+      grads = (self._unit_grads(a, d, deltas) if ghost.materializes_both(
           a.shape[1], a.shape[2], d.shape[2]) else None)
       self._cache = deltas, a, d, grads
     return self._cache[1:]
+
+  def _unit_grads(self, a, d, deltas):
+    """ĝ [U, p, d] for :meth:`_shared`, from the linear form (a, δ)."""
+    del deltas
+    return ghost.shared_unit_grads(a, d)
 
   def sq_norms(self, deltas, scales):
     a, d, shared = self._shared(deltas)
@@ -153,25 +158,17 @@ class Conv(Linear):
         c.merged(c.inputs).shape, layer.kernel.shape, layer.dilation_rate)
                for c in self.calls)
 
-  def _shared(self, deltas):
-    """One input channel: the shared per-unit gradients by a depthwise
-    convolution over the rows (``ghost.single_channel_conv_unit_grads``),
-    summed over a unit's rows and calls; the patches (a) are then only
-    read for their shape, and pruned from the step."""
+  def _unit_grads(self, a, d, deltas):
+    """One input channel: by a depthwise convolution over the rows
+    (``ghost.single_channel_conv_unit_grads``), summed over a unit's rows
+    and the layer's calls; the patches (a) are then only read for their
+    shape, and pruned from the step."""
     if not self._single_channel():
-      return super()._shared(deltas)
-    if self._cache is None or self._cache[0] is not deltas:
-      a, d = self._ad(deltas)
-      grads = None
-      if ghost.materializes_both(a.shape[1], a.shape[2], d.shape[2]):
-        layer = self.layer
-        grads = tf.add_n([base.per_unit_sum(
-            ghost.single_channel_conv_unit_grads(
-                c.merged(c.inputs), c.merged(dc), layer.kernel_size,
-                layer.strides, layer.padding), c.rows)
-                          for c, dc in zip(self.calls, deltas)])
-      self._cache = deltas, a, d, grads
-    return self._cache[1:]
+      return super()._unit_grads(a, d, deltas)
+    layer = self.layer
+    return tf.add_n([base.per_unit_sum(ghost.single_channel_conv_unit_grads(
+        c.merged(c.inputs), c.merged(dc), layer.kernel_size, layer.strides,
+        layer.padding), c.rows) for c, dc in zip(self.calls, deltas)])
 
   def plan(self):
     text = super().plan()
