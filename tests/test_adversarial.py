@@ -566,6 +566,7 @@ def _composed(blocks):
 @given(blocks=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(2, 5)),
                        min_size=1, max_size=4),
        option=st.sampled_from(OPTIONS))
+@pytest.mark.slow
 def test_random_architectures_keep_the_bound(blocks, option):
   model = _composed(blocks)
   removed, replaced, removal = measure(model, option, np.random.default_rng(3))

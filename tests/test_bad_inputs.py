@@ -166,6 +166,7 @@ def _embedding_model(jit_compile):
   return model, opt
 
 
+@pytest.mark.slow
 def test_ids_beyond_the_vocabulary():
   ids = np.random.default_rng(2).integers(0, 10, size=(N, 3)).astype("int32")
   _, y = _data()

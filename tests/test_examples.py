@@ -35,6 +35,7 @@ def test_correlated_noise_example_runs_at_equal_epsilon(capsys):
   assert "correlated noise (DP-MF)" in out
 
 
+@pytest.mark.slow
 def test_keras_hub_lora_example_runs_tiny(capsys):
   pytest.importorskip("keras_hub")
   namespace = runpy.run_path(str(ROOT / "examples" / "keras_hub_lora.py"))

@@ -139,6 +139,7 @@ def _release(optimizer):
   return np.concatenate([r.ravel() for r in optimizer.last_release])
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 @given(config=CONFIGS)

@@ -406,6 +406,7 @@ def test_core_rules_against_numpy():
                              rows.sum(0), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_with_ghost_clipping_equals_vectorized_training():
   rng = np.random.default_rng(12)
   x = rng.integers(1, 20, (64, 6)).astype("int32")
@@ -492,36 +493,23 @@ def test_lora_layers_clip_their_factors_exactly(num_microbatches):
   assert not plan.per_layer_fallbacks, plan
 
 
-@pytest.mark.parametrize("rnn", ["LSTM", "GRU", "SimpleRNN",
-                                 "LSTM go_backwards"])
-def test_recurrent_models_clip_exactly(rnn):
-  # LSTM, GRU, SimpleRNN: the recurrent ghost rule (the cell unrolled).
-  # tf.vectorized_map fails at run time on a recurrent layer's TensorList:
-  # a layer without a rule (go_backwards) makes the model evaluate unit by
-  # unit (tf.map_fn), exact and slower.
-  name, _, backwards = rnn.partition(" ")
+def test_a_backwards_recurrent_layer_is_evaluated_unit_by_unit_exactly():
+  # The recurrent ghost rule (the cell unrolled) of LSTM, GRU and SimpleRNN
+  # is held to the per-unit reference in test_recurrent.py, with one
+  # XLA-compiled fit step of each kind. tf.vectorized_map fails at run time
+  # on a recurrent layer's TensorList: a layer without a rule (go_backwards)
+  # makes the model evaluate unit by unit (tf.map_fn), exact and slower.
   model = keras.Sequential([keras.Input((6,), dtype="int32"),
                             keras.layers.Embedding(20, 8),
-                            getattr(keras.layers, name)(
-                                5, go_backwards=bool(backwards)),
+                            keras.layers.LSTM(5, go_backwards=True),
                             keras.layers.Dense(3)])
   x, y = _data(model, np.random.default_rng(23))
   x = np.minimum(x, 19)
   spec = clipping.ClipSpec(0.3)
-  if backwards:
-    with pytest.warns(UserWarning, match="tf.map_fn loop"):
-      result = ghost_sum(model, x, y, None, spec, None, method="auto")
-  else:
+  with pytest.warns(UserWarning, match="tf.map_fn loop"):
     result = ghost_sum(model, x, y, None, spec, None, method="auto")
   assert_same(result, reference(model, x, y, None, spec, None), rtol=1e-4)
-  plan = dp.clipping_plan(model)
-  if backwards:
-    assert "recurrent" in plan.fallback
-  else:
-    assert plan.fallback is None
-    assert "unrolled cell" in plan.entries[1].method
-  # One XLA-compiled fit step of each kind (and of a backwards layer, in a
-  # Bidirectional) equals the clipped SGD step: test_recurrent.py.
+  assert "recurrent" in dp.clipping_plan(model).fallback
 
 
 def test_a_recurrent_model_running_python_in_its_loop_is_refused():

@@ -126,6 +126,7 @@ def test_reversible_embedding_input_and_output_uses(tied, soft_cap,
     assert "cross term" in str(plan)
 
 
+@pytest.mark.slow
 def test_keras_hub_backbone_trains_privately():
   model = dp.make_private(gemma(lora=True))
   model.compile(optimizer=dp.DPAdamBC(1.0, 1.0, learning_rate=1e-2),

@@ -27,6 +27,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # processes of their own: first (conftest)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiworker_worker.py")
 TIMEOUT = 180  # seconds for both processes (about 10-30 s on 2 busy cores)

@@ -26,6 +26,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # processes of their own: first (conftest)
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "resume_worker.py")
 ROOT = os.path.dirname(os.path.dirname(WORKER))

@@ -17,6 +17,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SELECTED = [
     "tests/test_noise.py",
@@ -30,6 +32,7 @@ SELECTED = [
 ]
 
 
+@pytest.mark.slow
 def test_xla_dependent_tests_pass_at_the_default_optimization_level():
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
            if "xla_backend_optimization_level" not in f]
