@@ -715,9 +715,12 @@ def test_single_channel_conv_unit_grads_are_each_rows_own(jit):
                                     np.delete(got, 2, 0))
     empty = fn(tf.zeros([0, *x.shape[1:]]), tf.zeros([0, *delta.shape[1:]]))
     assert empty.shape == (0, np.prod(kernel), 3)
-  # Not taken: several channels, a dilation, an unknown spatial size.
+  # Not taken: several channels (also in groups of one), a dilation, an
+  # unknown spatial size.
   assert not ghost.single_channel_conv_applies(
       tf.TensorShape([4, 9, 9, 3]), (3, 3, 3, 8), (1, 1))
+  assert not ghost.single_channel_conv_applies(
+      tf.TensorShape([4, 9, 9, 4]), (3, 3, 1, 8), (1, 1))
   assert not ghost.single_channel_conv_applies(
       tf.TensorShape([4, 9, 9, 1]), (3, 3, 1, 8), (2, 2))
   assert not ghost.single_channel_conv_applies(

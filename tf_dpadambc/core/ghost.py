@@ -760,11 +760,13 @@ def _causal(x, kernel_size, padding, dilation_rate):
 
 def single_channel_conv_applies(x_shape, kernel_shape, dilation_rate):
   """Whether :func:`single_channel_conv_unit_grads` takes a convolution:
-  one input channel, no dilation, 1 or 2 spatial axes of static size."""
+  one input channel, no dilation, 1 or 2 spatial axes of static size. The
+  input's channels are checked as well as the kernel's: a grouped
+  convolution has one kernel channel per group."""
   return (len(kernel_shape) in (3, 4) and kernel_shape[-2] == 1
           and all(r == 1 for r in dilation_rate)
           and x_shape.rank == len(kernel_shape)
-          and x_shape[1:].is_fully_defined())
+          and x_shape[1:].is_fully_defined() and x_shape[-1] == 1)
 
 
 def single_channel_conv_unit_grads(x, delta, kernel_size, strides, padding):
