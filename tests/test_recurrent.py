@@ -65,8 +65,10 @@ def _reference(model, x, y, clip, num_microbatches):
 KINDS = ["LSTM", "GRU", "SimpleRNN", "Bidirectional", "stacked"]
 
 
-@pytest.mark.parametrize("num_microbatches", [None, 2])
-@pytest.mark.parametrize("kind", KINDS)
+# (Bidirectional per microbatch: its loop is the fit step's case below.)
+@pytest.mark.parametrize("kind, num_microbatches", [
+    (kind, m) for kind in KINDS for m in (None, 2)
+    if (kind, m) != ("Bidirectional", 2)])
 def test_clipped_sum_equals_per_unit_reference(kind, num_microbatches):
   model = _model(kind)
   model.compile(loss=LOSS)
@@ -88,8 +90,11 @@ def test_clipped_sum_equals_per_unit_reference(kind, num_microbatches):
         2 if kind == "stacked" else 1)
 
 
-@pytest.mark.parametrize("num_microbatches, jit", [(None, True), (4, False)])
-@pytest.mark.parametrize("kind", KINDS)
+# Under XLA one kind: the unrolled cell is one code path for all of them,
+# and compiling a recurrent private step takes 10-25 s on 2 cores.
+@pytest.mark.parametrize("kind, num_microbatches, jit", [
+    (kind, None, kind == "LSTM") for kind in KINDS] + [
+        (kind, 4, False) for kind in KINDS])
 def test_one_fit_step_is_the_clipped_sgd_step(kind, num_microbatches, jit):
   model = dp.make_private(_model(kind))
   x, y = _data(1)
