@@ -137,3 +137,23 @@ def test_without_tensorflow_the_jax_rows_still_run(monkeypatch):
   with pytest.raises(RuntimeError, match="probe failed"):
     suite.run_suite(["mlp"], [256], configs=configs, tfp_python=False,
                     log=lambda *a: None)
+
+
+def test_noise_floor_adds_the_noise_it_claims_and_runs():
+  """benchmarks/noise_floor.py: its floor optimizer really draws N(0, s²)
+  per coordinate (else the floor measures nothing), and the script runs."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import noise_floor  # pylint: disable=import-outside-toplevel
+  opt = noise_floor.NoisyAdam(0.25)
+  grads = [tf.zeros([200_000]), tf.ones([4, 5])]
+  z, shifted = opt.noised(grads)
+  # std of 200,000 draws: relative standard error 1/sqrt(2n) = 0.16%.
+  assert float(np.std(z)) == pytest.approx(0.25, rel=0.01)
+  assert abs(float(np.mean(z))) < 5 * 0.25 / np.sqrt(200_000)
+  assert shifted.shape == (4, 5) and np.all(shifted.numpy() != 1.0)
+  rows = noise_floor.main(["--models", "mlp", "--batch-sizes", "16",
+                           "--steps", "3", "--rounds", "1"])
+  assert [(r["model"], r["batch_size"]) for r in rows] == [("mlp", 16)]
+  assert all(r[k] > 0 for r in rows for k in ("adam", "adam_noise",
+                                               "dpadambc"))
