@@ -1,12 +1,16 @@
-"""Smoke test of benchmarks/suite.py: in-process, MLP, batch 32, 2 steps."""
+"""Smoke tests of benchmarks/suite.py (in-process, MLP, batch 32, 2 steps) and
+benchmarks/noise_floor.py."""
 import pathlib
 import sys
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import noise_floor  # noqa: E402
 import suite  # noqa: E402
 
 # Two configurations keep it fast (each DP one compiles for seconds).
@@ -142,9 +146,6 @@ def test_without_tensorflow_the_jax_rows_still_run(monkeypatch):
 def test_noise_floor_adds_the_noise_it_claims_and_runs():
   """benchmarks/noise_floor.py: its floor optimizer really draws N(0, s²)
   per coordinate (else the floor measures nothing), and the script runs."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  import noise_floor  # pylint: disable=import-outside-toplevel
   opt = noise_floor.NoisyAdam(0.25)
   grads = [tf.zeros([200_000]), tf.ones([4, 5])]
   z, shifted = opt.noised(grads)
