@@ -1,5 +1,5 @@
 """TensorFlow's float32 arithmetic on the GPU against float64 NumPy, TF32 off:
-a matmul, an XLA-compiled function and a convolution (tf_on_cuda13.sh runs
+a matmul, an XLA-compiled function and a convolution (lent_session.sh runs
 this before any timing; a wrong library shim shows here)."""
 import numpy as np
 import tensorflow as tf
