@@ -513,6 +513,56 @@ def test_fit_refuses_models_that_mix_examples_before_weights_move(name, error,
     np.testing.assert_array_equal(got, want)
 
 
+def _compiled(name, steps_per_execution=1):
+  model = dp.make_private(build(name, False))
+  with pytest.warns(UserWarning, match="NOT differentially private"):
+    optimizer = dp.DPSGD(C, 0.0, learning_rate=1.0)
+  model.compile(optimizer=optimizer, loss=LOSS, jit_compile=True,
+                steps_per_execution=steps_per_execution)
+  return model
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_refusal_holds_for_every_later_step_and_fit(steps_per_execution):
+  """The check's verdict is not keyed to the optimizer's step count: the
+  later steps of a ``steps_per_execution`` loop and a second ``fit`` after
+  the error release noise only too (σ = 0 here: nothing moves), and ``fit``
+  raises each time. (Both trained the per-example model silently when the
+  check ran only at iterations == 0.)"""
+  model = _compiled("lag_feature", steps_per_execution)
+  before = [w.copy() for w in model.get_weights()]
+  x, y = batch(model, np.random.default_rng(2), 4 * B)
+  for _ in range(2):
+    with pytest.raises(RuntimeError, match="depends on the other examples"):
+      model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    for got, want in zip(model.get_weights(), before):
+      np.testing.assert_array_equal(got, want)
+  assert int(model.optimizer.iterations.numpy()) >= 2  # the steps did run
+
+
+def lag_unless_a_full_batch(x):
+  """Mixes the rows of any batch but one of exactly B: a check on the
+  first (full) batch alone would pass it."""
+  h = keras.layers.Dense(5)(x)
+  return lam(lambda t: t if t.shape[0] == B else
+             t + ops.pad(t, [[1, 0], [0, 0], [0, 0]])[:-1])(h)
+
+
+def test_every_trace_of_the_step_is_checked():
+  """An epoch's last, partial batch is a new trace of the step: it is
+  checked on its own, and this model, which mixes examples only there, is
+  refused at that batch."""
+  STRUCTURES["lag_unless_a_full_batch"] = lag_unless_a_full_batch
+  try:
+    model = _compiled("lag_unless_a_full_batch")
+  finally:
+    del STRUCTURES["lag_unless_a_full_batch"]
+  x, y = batch(model, np.random.default_rng(3), 3 * B + B // 2)
+  model.fit(x[:3 * B], y[:3 * B], batch_size=B, epochs=1, verbose=0)
+  with pytest.raises(RuntimeError, match="depends on the other examples"):
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+
+
 # ---------------------------------------------------------------- hypothesis
 
 def _random_op(kind, width):

@@ -539,3 +539,27 @@ def test_privacy_tensorboard_writes_epsilon_and_diagnostics(tmp_path):
   np.testing.assert_allclose(phi, (1.1 * 1.0 / 32) ** 2, rtol=1e-5)
   with pytest.raises(ValueError, match="update_freq"):
     dp.PrivacyTensorBoard(log_dir, N, 1e-5, update_freq=0)
+
+
+def test_steps_per_execution_trains_exactly_the_same_run():
+  """Keras' loop of several steps per call (what a GPU user sets for small
+  models) runs the same private steps: the same weights, bit for bit, and
+  the same number of releases, as one step per call. With accumulation
+  (pending sums carried across steps and calls) and Dropout (the per-unit
+  passes' seeds)."""
+  x, y = _data()
+  options = {"gradient_accumulation_steps": 3}
+  runs = []
+  for steps_per_execution in (1, 4):
+    keras.utils.set_random_seed(0)
+    model = dp.make_private(_model(dropout=True))
+    model.compile(optimizer=dp.DPAdamBC(1.0, 1.0, 1e-2, seed=3, **options),
+                  loss=_loss(), jit_compile=True,
+                  steps_per_execution=steps_per_execution)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    runs.append((model.get_weights(), int(model.optimizer.iterations)))
+  (one, steps_one), (four, steps_four) = runs
+  assert steps_one == steps_four == 2 * N // 32 // options.get(
+      "gradient_accumulation_steps", 1)
+  for a, b in zip(one, four):
+    np.testing.assert_array_equal(a, b)

@@ -17,6 +17,7 @@ all inside the one function Keras compiles (``jit_compile=True`` works).
 Losses, metrics, sample weights and validation behave as in plain Keras.
 """
 import dataclasses
+import itertools
 import logging
 import math
 import types
@@ -47,6 +48,8 @@ _METHODS = ("auto", "ghost", "vectorized")
 DEFAULT_FLOAT16_LOSS_SCALE = 2.0 ** 10
 _LOW_PRECISION = (tf.float16, tf.bfloat16)
 _UNVERIFIED = "dp_unverified_steps"
+# Every trace of the private step gets its own id (see _verify_stage).
+_TRACE_IDS = itertools.count()
 
 
 @dataclasses.dataclass
@@ -62,6 +65,9 @@ class ModelRecord:
       dp_unverified_steps)`` metrics of the train step.
     diagnostics: name → epoch mean of the optimizer's diagnostic of that
       name (``core.diagnostics.NAMES``).
+    verified: int64 variable, the id of the last trace of the train step
+      whose model passed :func:`examples_independent` (−1: none). Never
+      saved: a restored model is checked again.
     private: True once ``make_private`` installed the train step.
   """
 
@@ -70,6 +76,7 @@ class ModelRecord:
   plan: object = None
   metrics: tuple = ()
   diagnostics: dict = dataclasses.field(default_factory=dict)
+  verified: object = None
   private: bool = False
 
 
@@ -504,14 +511,29 @@ def _plan_stage(model, sample_weight):
 
 
 def _verify_stage(model, optimizer, x, y):
-  """On the first step, is the model the user wrote (batched) the model that
-  per-unit evaluation trains? If not, the step releases noise only and fit
-  raises (privacy holds either way)."""
-  return tf.cond(
-      tf.equal(optimizer.iterations, 0),
+  """Is the model the user wrote (batched) the model that per-unit
+  evaluation trains? If not, the step releases noise only and fit raises
+  (privacy holds either way).
+
+  Checked on the first run of every trace of the step, and on every step
+  until a check passes: a new compile, new input shapes (a model may mix
+  examples only at some batch size), a restored or re-used optimizer (its
+  ``iterations`` says nothing of this model), a second ``fit`` after a
+  refusal, and each step of a ``steps_per_execution`` loop whose first step
+  failed. The trace's id is a constant of its graph; ``record.verified``
+  holds the last id that passed (only one: traces that alternate, such as
+  an epoch's last partial batch, are checked again at each switch)."""
+  record = _record(model)
+  trace = tf.constant(next(_TRACE_IDS), tf.int64)
+  unchecked = tf.not_equal(record.verified, trace)
+  consistent = tf.cond(
+      unchecked,
       lambda: examples_independent(model, x, optimizer.num_microbatches,
                                    y=y),
       lambda: tf.constant(True))
+  record.verified.assign(tf.where(unchecked & consistent, trace,
+                                  tf.convert_to_tensor(record.verified)))
+  return consistent
 
 
 def _private_stage(model, optimizer, x, y, sample_weight, batch_size,
@@ -680,9 +702,9 @@ def _checked_train_function(model):
       if float(logs.pop(_UNVERIFIED, 0.0)):
         raise RuntimeError(
             "The model's output or loss for an example depends on the other "
-            "examples of its batch (checked on the first step: the batched "
-            "forward pass did not reproduce each example's own output and "
-            "loss). A layer, a Lambda or the loss mixes examples "
+            "examples of its batch (checked on the first step of each traced "
+            "train step: the batched forward pass did not reproduce each "
+            "example's own output and loss). A layer, a Lambda or the loss mixes examples "
             "(statistics, shifts, lags or attention over axis 0), or draws "
             "randomness Keras does not "
             "track (tf.random instead of keras.random with a SeedGenerator) "
@@ -797,6 +819,10 @@ def make_private(model, clipping="auto", loss_scale=None):
     # Epoch means of the optimizer's per-step diagnostics.
     record.diagnostics = {name: keras.metrics.Mean(name=name)
                           for name in core_diagnostics.NAMES}
+    # Outside every tracker (the record is), so never saved or restored.
+    record.verified = keras.Variable(
+        -1, dtype="int64", trainable=False, name="dp_verified_trace",
+        aggregation="only_first_replica")
     _compat.reset_metrics_too(
         model, record.metrics + tuple(record.diagnostics.values()))
     _checked_train_function(model)
