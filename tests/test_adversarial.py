@@ -513,8 +513,8 @@ def test_fit_refuses_models_that_mix_examples_before_weights_move(name, error,
     np.testing.assert_array_equal(got, want)
 
 
-def _compiled(name, steps_per_execution=1):
-  model = dp.make_private(build(name, False))
+def _compiled(model, steps_per_execution=1):
+  model = dp.make_private(model)
   with pytest.warns(UserWarning, match="NOT differentially private"):
     optimizer = dp.DPSGD(C, 0.0, learning_rate=1.0)
   model.compile(optimizer=optimizer, loss=LOSS, jit_compile=True,
@@ -529,7 +529,7 @@ def test_a_refusal_holds_for_every_later_step_and_fit(steps_per_execution):
   the error release noise only too (σ = 0 here: nothing moves), and ``fit``
   raises each time. (Both trained the per-example model silently when the
   check ran only at iterations == 0.)"""
-  model = _compiled("lag_feature", steps_per_execution)
+  model = _compiled(build("lag_feature", False), steps_per_execution)
   before = [w.copy() for w in model.get_weights()]
   x, y = batch(model, np.random.default_rng(2), 4 * B)
   for _ in range(2):
@@ -552,11 +552,7 @@ def test_every_trace_of_the_step_is_checked():
   """An epoch's last, partial batch is a new trace of the step: it is
   checked on its own, and this model, which mixes examples only there, is
   refused at that batch."""
-  STRUCTURES["lag_unless_a_full_batch"] = lag_unless_a_full_batch
-  try:
-    model = _compiled("lag_unless_a_full_batch")
-  finally:
-    del STRUCTURES["lag_unless_a_full_batch"]
+  model = _compiled(_seq(lag_unless_a_full_batch))
   x, y = batch(model, np.random.default_rng(3), 3 * B + B // 2)
   model.fit(x[:3 * B], y[:3 * B], batch_size=B, epochs=1, verbose=0)
   with pytest.raises(RuntimeError, match="depends on the other examples"):
