@@ -1019,3 +1019,34 @@ def test_python_in_a_looped_forward_pass_is_refused():
     _sgd_step(model, x, y, None, 0.2, 0.3)
   for w, w0 in zip(model.trainable_variables, init):
     np.testing.assert_array_equal(w.numpy(), w0)
+
+
+def _trim_and_pool(x):
+  """The sum after the leading padding common to the batch (per example in
+  a batch; each unit alone slices to a length of its own)."""
+  nonpad = tf.reduce_any(tf.not_equal(x, 0.0), axis=-1)
+  first = tf.argmax(tf.cast(nonpad, tf.int32), axis=1, output_type=tf.int32)
+  return tf.reduce_sum(tf.slice(x, [0, tf.reduce_min(first), 0],
+                                [-1, -1, -1]), axis=1)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_slice_of_each_units_own_length_loops_over_units(jit):
+  # TensorFlow's vectorization of that slice read past each unit's end (one
+  # example moved the others: 10C in a review); core._pfor_compat refuses
+  # it, and the adapter evaluates each unit in a loop: the exact step.
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([
+      tf_keras.Input((4, 2)), tf_keras.layers.Lambda(_trim_and_pool),
+      tf_keras.layers.Dense(3)])
+  x = np.zeros((6, 4, 2), "float32")
+  x[:, 2:] = np.random.default_rng(0).normal(size=(6, 2, 2))
+  x[2, 0] = [0.5, -0.5]  # no leading padding
+  y = np.arange(6, dtype="int32") % 3
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = _weighted_unit_gradients(model, x, y, np.ones(6, "float32"),
+                                        6)
+  clip = float(np.median([_global_norm(g) for g in unit_grads]))
+  optimizer = _sgd_step(model, x, y, None, clip, 0.5, jit_compile=jit)
+  assert optimizer.per_unit_plan == "loop"
+  _assert_sgd_formula(model, init, unit_grads, clip, 0.5)
