@@ -185,3 +185,21 @@ def test_config_round_trip(cls, extra):
 
 def test_secret_seed_is_not_serialized():
   assert dp.DPAdamBC(1.0, 1.0).get_config()["seed"] is None
+
+
+@pytest.mark.parametrize("name, value", [
+    ("noise_multiplier", 8.0), ("l2_norm_clip", 2.0),
+    ("expected_batch_size", 10), ("accumulation_steps", 2),
+    ("num_microbatches", 4), ("noise", None), ("privatizer", None)])
+def test_privacy_parameters_are_fixed_once_the_optimizer_is_made(name,
+                                                                  value):
+  # The accounting applies them to every step already taken, and a traced
+  # step keeps the old value: a schedule that set noise_multiplier 0.5 → 8
+  # after an epoch had ε 0.695 reported for a run of 16.5.
+  optimizer = dp.DPSGD(1.0, 0.5, learning_rate=0.1)
+  before = getattr(optimizer, name)
+  with pytest.raises(AttributeError, match="fixed when the optimizer"):
+    setattr(optimizer, name, value)
+  assert getattr(optimizer, name) is before
+  optimizer.learning_rate = 0.05  # what is not privacy stays settable
+  np.testing.assert_allclose(float(optimizer.learning_rate), 0.05)

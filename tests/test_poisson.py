@@ -349,14 +349,36 @@ def test_callbacks_refuse_a_sampling_the_run_did_not_use():
               callbacks=[dp.PrivacyBudget(N, 1e-5, sampling="shuffle")])
 
 
-def test_poisson_optimizer_refuses_unweighted_fixed_batches():
+@pytest.mark.parametrize("weights", [None, "sample_weight", "class_weight"])
+def test_poisson_optimizer_refuses_fixed_batches(weights):
+  # With sample weights (Keras makes them from class_weight) the step's own
+  # check passed: fixed-size batches got the Poisson ε (5.9 for 12.3).
   x, y, _ = _problem()
   model = dp.make_private(_linear_model())
   model.compile(optimizer=dp.DPSGD(1.0, 1.0, expected_batch_size=B),
                 loss=keras.losses.SparseCategoricalCrossentropy(
                     from_logits=True))
+  before = model.get_weights()
+  kwargs = {"sample_weight": dict(sample_weight=np.ones(N, "float32")),
+            "class_weight": dict(class_weight={k: 1.0 for k in range(K)}),
+            None: {}}[weights]
   with pytest.raises(ValueError, match="poisson_batches"):
-    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0, **kwargs)
+  for w, w0 in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(w, w0)
+
+
+def test_poisson_batches_of_another_expected_size_are_refused():
+  # Accounted at the optimizer's q = 10/N while q = 4·10/N ran.
+  x, y, _ = _problem()
+  model = dp.make_private(_linear_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0, expected_batch_size=B),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  other = data.poisson_batches(x, y, expected_batch_size=4 * B, seed=1)
+  with pytest.raises(ValueError, match=f"expected size of {4 * B}"):
+    model.fit(other, epochs=1, verbose=0)
+  assert model.optimizer.steps_taken == 0
 
 
 @pytest.mark.parametrize("make, match", [

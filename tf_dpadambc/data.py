@@ -243,7 +243,32 @@ def poisson_batches(x, y=None, *, expected_batch_size, sample_weight=None,
     for _ in range(steps_per_epoch):
       yield _padded_sample(rng, n, q, m, data, weights, overflow)
 
-  return _padded_dataset(batches, data, weights, m, steps_per_epoch)
+  dataset = _padded_dataset(batches, data, weights, m, steps_per_epoch)
+  dataset.poisson_sampling = PoissonSampling(
+      num_examples=n, expected_batch_size=b, steps_per_epoch=steps_per_epoch)
+  return dataset
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampling:
+  """What a :func:`poisson_batches` dataset samples (attached to it as
+  ``dataset.poisson_sampling``): ``make_private``'s ``fit`` checks that a
+  Poisson optimizer (``expected_batch_size``) is fed such a dataset, of its
+  own expected batch size."""
+  num_examples: int
+  expected_batch_size: int
+  steps_per_epoch: int
+
+
+def poisson_sampling_of(x):
+  """The expected batch size of ``x`` if it is a dataset of
+  :func:`poisson_batches` or :func:`cyclic_poisson_batches` as returned
+  (None otherwise)."""
+  for name in ("poisson_sampling", "cyclic_poisson"):
+    sampling = getattr(x, name, None)
+    if sampling is not None:
+      return sampling.expected_batch_size
+  return None
 
 
 def _count(name, value):

@@ -599,6 +599,8 @@ def track_fit(model):
     except TypeError:
       return fit(*args, **kwargs)  # let Keras report the bad call
     arguments = bound.arguments
+    _check_poisson_data(getattr(model, "optimizer", None),
+                        arguments.get("x"))
     steps_per_epoch = arguments.get("steps_per_epoch")
     finite = _finite(arguments.get("x"))
     recorder = EpochRecorder(
@@ -632,6 +634,35 @@ def track_fit(model):
   setattr(tracked_fit, _FIT_MARK, True)
   tracked_fit.__doc__ = fit.__doc__
   object.__setattr__(model, "fit", tracked_fit)
+
+
+def _check_poisson_data(optimizer, x):
+  """A Poisson optimizer (``expected_batch_size`` B, whose ε assumes every
+  example joined every step independently with probability B/N) takes the
+  batches of ``data.poisson_batches`` (or ``cyclic_poisson_batches``) of
+  that B, as returned: fixed-size batches (with sample weights, which
+  Keras makes from ``class_weight``) or another B would be accounted at a
+  sampling that never ran (a red-team review: ε 5.9 reported for 12.3)."""
+  expected = getattr(getattr(optimizer, "keras_optimizer", optimizer),
+                     "expected_batch_size", None)
+  if expected is None:
+    return
+  from tf_dpadambc import data  # pylint: disable=g-import-not-at-top
+  got = data.poisson_sampling_of(x)
+  if got is None:
+    raise ValueError(
+        f"{optimizer.name} has expected_batch_size={expected}: its ε "
+        "assumes Poisson sampling, so fit takes the dataset of "
+        f"tf_dpadambc.data.poisson_batches(x, y, expected_batch_size="
+        f"{expected}) as x, as returned (no batch_size; a derived dataset, "
+        "e.g. .prefetch(), loses the mark fit checks). For fixed-size "
+        "batches, drop expected_batch_size (shuffle accounting).")
+  if got != expected:
+    raise ValueError(
+        f"{optimizer.name} has expected_batch_size={expected}, but these "
+        f"Poisson batches have an expected size of {got}: its division by B "
+        "and its sampling rate B/N would not be the batches'. Build both "
+        "with the same expected_batch_size.")
 
 
 def is_recording(optimizer):

@@ -81,6 +81,14 @@ def check_clip_count(l2_norm_clip, variables):
         "trainable variables: give one per variable.")
 
 
+# The attributes :func:`validated` returns, and what is derived from them:
+# fixed once the optimizer is made (base.DPOptimizer.__setattr__).
+FIXED = frozenset({
+    "l2_norm_clip", "noise_multiplier", "num_microbatches",
+    "accumulation_steps", "seed", "clipping", "automatic_gamma", "noise",
+    "query", "expected_batch_size", "privatizer"})
+
+
 def validated(cls, l2_norm_clip, noise_multiplier, num_microbatches,
               gradient_accumulation_steps, seed, clipping, automatic_gamma,
               noise, query, expected_batch_size, kwargs):
