@@ -191,6 +191,28 @@ def test_a_resumed_run_covers_every_epoch(tmp_path):
   assert "4 epoch(s) as run (9 batch(es) each)" in text
 
 
+def test_an_earlier_checkpoint_restored_in_process_is_flagged(tmp_path):
+  # The ledger is optimizer state: load_weights of an earlier checkpoint
+  # rolls it back, and the releases made after that checkpoint (whose
+  # checkpoints are outputs too) left the statement without a word.
+  x, y = _data()
+  model = _model()
+  model.fit(_dropping_remainder(x, y), epochs=1, verbose=0)
+  path = str(tmp_path / "first.weights.h5")
+  model.save_weights(path)
+  model.fit(_dropping_remainder(x, y), epochs=2, verbose=0)
+  optimizer = model.optimizer
+  assert "WARNING" not in dp.optimizer_privacy_statement(optimizer, N, DELTA)
+  model.load_weights(path)
+  assert optimizer.steps_taken == 9
+  with pytest.warns(UserWarning, match="restored in this process to 9"):
+    text = dp.optimizer_privacy_statement(optimizer, N, DELTA)
+  assert "after it had released 27" in text.splitlines()[1]
+  model.fit(_dropping_remainder(x, y), epochs=1, verbose=0)  # still short
+  with pytest.warns(UserWarning, match="to 18 physical batches"):
+    dp.optimizer_privacy_statement(optimizer, N, DELTA)
+
+
 def test_a_mid_epoch_checkpoint_resumes_as_an_upper_bound(tmp_path):
   """Saved after 16 batches (epoch 2 open): the 7 batches of epoch 2 before
   the checkpoint cannot be told from steps run after loading, so each is

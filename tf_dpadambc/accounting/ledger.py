@@ -427,6 +427,11 @@ class AccountingLedger:
     self._optimizer = optimizer
     self._pending = None  # the state before the optimizer is built
     self.recorder = None  # the EpochRecorder of a running fit, if any
+    # The furthest position this optimizer object reached in this process
+    # (never saved): a restore of an earlier checkpoint moves the ledger
+    # back with the weights, and what was released before it is not in the
+    # ledger any more (rolled_back).
+    self.furthest = 0
 
   @property
   def _k(self):
@@ -467,8 +472,18 @@ class AccountingLedger:
 
   def _update(self, change):
     state = self.state()
-    change(state, self.position())
+    position = self.position()
+    self.furthest = max(self.furthest, position)
+    change(state, position)
     self._store(state)
+
+  def rolled_back(self):
+    """``(furthest, now)`` if this process's run reached a position (physical
+    batches) beyond the ledger's now — an earlier checkpoint restored in
+    the same process — else None."""
+    position = self.position()
+    self.furthest = max(self.furthest, position)
+    return (self.furthest, position) if position < self.furthest else None
 
   def begin_epoch(self):
     """A pass over the data begins now."""

@@ -1,5 +1,6 @@
 """A privacy statement in plain language, in the spirit of TF-Privacy's."""
 import math
+import warnings
 
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 from tf_dpadambc.accounting import events
@@ -37,6 +38,28 @@ def privacy_statement(num_examples, batch_size, epochs, noise_multiplier,
 
 def optimizer_privacy_statement(optimizer, num_examples, delta,
                                 accountant="rdp", batch_size=None):
+  """The statement for the training a DP optimizer has performed so far
+  (:func:`_statement`), with a warning first where this process released
+  more than the ledger now holds (an earlier checkpoint restored)."""
+  text = _statement(optimizer, num_examples, delta, accountant, batch_size)
+  ledger = ledger_lib.ledger_of(optimizer)
+  moved = ledger.rolled_back() if ledger is not None and getattr(
+      optimizer, "built", False) else None
+  if moved is None:
+    return text
+  message = (
+      f"{optimizer.name}'s ledger was restored in this process to "
+      f"{moved[1]:,} physical batches after it had released {moved[0]:,}: "
+      "the ε below is the restored run's and does not count the releases "
+      "made before the restore (their checkpoints and models are outputs "
+      "too). Account both runs together, or restore into a new process's "
+      "run only what you release.")
+  warnings.warn(message)
+  head, _, rest = text.partition("\n")
+  return f"{head}\n  WARNING: {message}\n{rest}"
+
+
+def _statement(optimizer, num_examples, delta, accountant, batch_size):
   """The statement for the training a DP optimizer has performed so far.
 
   Uses the optimizer's own DpEvents: the steps it took, the epochs it ran
