@@ -187,16 +187,24 @@ def test_secret_seed_is_not_serialized():
   assert dp.DPAdamBC(1.0, 1.0).get_config()["seed"] is None
 
 
-@pytest.mark.parametrize("name, value", [
-    ("noise_multiplier", 8.0), ("l2_norm_clip", 2.0),
-    ("expected_batch_size", 10), ("accumulation_steps", 2),
-    ("num_microbatches", 4), ("noise", None), ("privatizer", None)])
-def test_privacy_parameters_are_fixed_once_the_optimizer_is_made(name,
+@pytest.mark.parametrize("make, name, value", [
+    (lambda: dp.DPSGD(1.0, 0.5), "noise_multiplier", 8.0),
+    (lambda: dp.DPSGD(1.0, 0.5), "l2_norm_clip", 2.0),
+    (lambda: dp.DPSGD(1.0, 0.5), "expected_batch_size", 10),
+    (lambda: dp.DPSGD(1.0, 0.5), "accumulation_steps", 2),
+    (lambda: dp.DPSGD(1.0, 0.5), "num_microbatches", 4),
+    (lambda: dp.DPSGD(1.0, 0.5), "noise", None),
+    (lambda: dp.DPSGD(1.0, 0.5), "privatizer", None),
+    (lambda: dp.DPAdamJME(1.0, 0.5), "square_weight", 10.0),
+    (lambda: dp.DPAdamJME(1.0, 0.5), "adjacency", "replace_one"),
+    (lambda: dp.DP2RMSProp(1.0, 0.5), "preconditioned_clip_norm", 9.0),
+    (lambda: dp.DP2RMSProp(1.0, 0.5), "sgd_steps", 1)])
+def test_privacy_parameters_are_fixed_once_the_optimizer_is_made(make, name,
                                                                   value):
   # The accounting applies them to every step already taken, and a traced
   # step keeps the old value: a schedule that set noise_multiplier 0.5 → 8
   # after an epoch had ε 0.695 reported for a run of 16.5.
-  optimizer = dp.DPSGD(1.0, 0.5, learning_rate=0.1)
+  optimizer = make()
   before = getattr(optimizer, name)
   with pytest.raises(AttributeError, match="fixed when the optimizer"):
     setattr(optimizer, name, value)

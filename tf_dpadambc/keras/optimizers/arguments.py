@@ -82,7 +82,8 @@ def check_clip_count(l2_norm_clip, variables):
 
 
 # The attributes :func:`validated` returns, and what is derived from them:
-# fixed once the optimizer is made (base.DPOptimizer.__setattr__).
+# set once, when the optimizer is made (base.DPOptimizer.FIXED, which
+# subclasses extend with their own).
 FIXED = frozenset({
     "l2_norm_clip", "noise_multiplier", "num_microbatches",
     "accumulation_steps", "seed", "clipping", "automatic_gamma", "noise",

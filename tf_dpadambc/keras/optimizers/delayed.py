@@ -38,6 +38,9 @@ class _DelayedPreconditioner(base.DPOptimizer):
   """
 
   TRAITS = traits.EstimatorTraits(releases_plain_sum=False)  # clips at s⊙g
+  # The phase schedule and C2 set each step's sensitivity.
+  FIXED = base.DPOptimizer.FIXED | {"preconditioned_clip_norm", "sgd_steps",
+                                    "adaptive_steps"}
   _decay = None
 
   def __init__(self, l2_norm_clip, noise_multiplier, learning_rate=0.1,

@@ -183,6 +183,8 @@ class JointMoments(_UnbiasedSecondMoment):
   TRAITS = _UnbiasedSecondMoment.TRAITS.extend(uses_square_sum=True,
                                                noise_streams=(0, 2))
 
+  FIXED = adaptive.Adaptive.FIXED | {"square_weight", "adjacency"}
+
   def __init__(self, *args, square_weight=None, adjacency="add_remove",
                **kwargs):
     if adjacency not in ADJACENCIES:
