@@ -451,3 +451,43 @@ def test_steps_per_epoch_over_a_repeated_dataset_is_not_under_counted():
   assert eps >= _rdp((1.0, 3))  # at least the 3 passes an example can see
   text = dp.optimizer_privacy_statement(optimizer, N, DELTA)
   assert "upper bound" in text and "repeats within an epoch" in text
+
+
+# ------------------------------------------------ adjacency, named per run
+def test_each_statement_names_the_adjacency_its_epsilon_holds_under():
+  """Fixed-size batches make N public (the number of batches and the last
+  one's divisor depend on it): their ε is under zero-out adjacency, with a
+  replace-one bound at σ/2; Poisson batches divide by B and keep add/remove.
+  """
+  x, y = _data()
+  fixed = _model(sigma=1.0)
+  fixed.fit(_dropping_remainder(x, y), epochs=2, verbose=0)
+  text = dp.optimizer_privacy_statement(fixed.optimizer, N, DELTA)
+  assert "adjacency: zero-out" in text
+  assert "adding or removing an example is NOT covered" in text
+  assert f"ε = {_rdp((1.0, 2)):.3f} if each example" in text
+  assert f"ε ≤ {_rdp((0.5, 2)):.3f} if one example is replaced" in text
+
+  poisson = _model(sigma=1.0, expected_batch_size=B)
+  poisson.fit(dp.data.poisson_batches(x, y, expected_batch_size=B,
+                                      steps_per_epoch=3, seed=1),
+              epochs=1, verbose=0)
+  text = dp.optimizer_privacy_statement(poisson.optimizer, N, DELTA)
+  assert "adjacency: adding or removing one training example" in text
+  assert "zero-out" not in text and "replace" not in text
+
+  planned = dp.privacy_statement(N, B, 2, 1.0, DELTA)
+  assert "for the Poisson figure" in planned
+  assert "zero-out" in planned and "for the once-per-epoch figure" in planned
+
+
+def test_replace_one_halves_every_gaussian_and_refuses_sampling():
+  from tf_dpadambc.accounting import events  # pylint: disable=g-import-not-at-top
+  releases = ledger_lib.Releases(single=3, double=2, more_squares=9)
+  event = events.replace_one(events.shuffled_gaussian_event(1.2, releases))
+  assert dp.epsilon_of_event(event, DELTA) == pytest.approx(
+      _rdp((0.6, 3), (0.3, 2), (0.6, 9)), rel=1e-9)
+  assert events.replace_one(dp_accounting.NoOpDpEvent()) == (
+      dp_accounting.NoOpDpEvent())
+  with pytest.raises(ValueError, match="PoissonSampled"):
+    events.replace_one(dp.dp_sgd_event(1.0, N, B, 5, "poisson"))

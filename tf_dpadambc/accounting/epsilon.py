@@ -78,7 +78,11 @@ def compute_epsilon(num_examples, batch_size, epochs, noise_multiplier, delta,
 
   Holds for every tf_dpadambc variant with these (N, B, epochs, σ): each
   releases one Gaussian mechanism of multiplier σ per step, everything else
-  being post-processing. Add/remove-one-example adjacency.
+  being post-processing. Poisson sampling: add/remove-one-example adjacency
+  (q and the steps fixed before training, from a public N). ``"shuffle"``
+  (fixed-size batches): zero-out adjacency, one example replaced by one with
+  zero gradient, N public — adding or removing an example changes the
+  number of batches or the last one's divisor, which this ε does not cover.
 
   Returns ``math.inf`` (not private) when ``noise_multiplier == 0``.
   """

@@ -43,7 +43,9 @@ def dp_sgd_event(noise_multiplier, num_examples, batch_size, steps,
       probability q = B/N (amplification by sampling applies);
       ``"shuffle"``: each example is used once per epoch, the guarantee of one
       Gaussian mechanism per epoch with no amplification (what TF-Privacy
-      reports for shuffled fixed-size batches).
+      reports for shuffled fixed-size batches). Its adjacency is zero-out
+      (one example's gradient replaced by zero): with fixed-size batches N
+      is public, the number of batches and the last one's size depend on it.
     steps_per_epoch: for ``"shuffle"``, logical steps per pass over the data
       (may be fractional with gradient accumulation); default ceil(N / B).
 
@@ -109,6 +111,30 @@ def shuffled_gaussian_event(noise_multiplier, releases):
   if not parts:
     return dp_accounting.NoOpDpEvent()
   return parts[0] if len(parts) == 1 else dp_accounting.ComposedDpEvent(parts)
+
+
+def replace_one(event):
+  """``event`` under replace-one adjacency, from its zero-out accounting.
+
+  Replacing example x by y is zero-out of x then of y: by the triangle
+  inequality every release can move by at most twice its zero-out
+  sensitivity, so every Gaussian mechanism's multiplier halves (σ → σ/2).
+  An upper bound (where units are microbatches, 2C already bounds any
+  change). Only for runs without amplification by sampling, whose events
+  compose Gaussians; anything else raises ``ValueError``.
+  """
+  if isinstance(event, (dp_accounting.NoOpDpEvent,
+                        dp_accounting.NonPrivateDpEvent)):
+    return event
+  if isinstance(event, dp_accounting.GaussianDpEvent):
+    return dp_accounting.GaussianDpEvent(event.noise_multiplier / 2)
+  if isinstance(event, dp_accounting.SelfComposedDpEvent):
+    return dp_accounting.SelfComposedDpEvent(replace_one(event.event),
+                                             event.count)
+  if isinstance(event, dp_accounting.ComposedDpEvent):
+    return dp_accounting.ComposedDpEvent(
+        [replace_one(e) for e in event.events])
+  raise ValueError(f"No replace-one accounting for {type(event).__name__}.")
 
 
 def correlated_noise_event(noise_multiplier, calibrated_sensitivity,

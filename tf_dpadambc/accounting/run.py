@@ -6,9 +6,11 @@ recorded (``run_record``, ``accounting_ledger``), and never change it. The
 optimizers' ``dp_event``, ``accounted_noise_multiplier``,
 ``effective_noise_multiplier`` and ``logical_steps_per_epoch`` delegate here.
 
-Under add/remove-one-example adjacency one unit's clipped gradient moves the
-clipped sum by at most Δ = C, so each release is a Gaussian mechanism of
-multiplier σ; the accounted σ is lower where a release can move by more:
+Under add/remove-one-example adjacency (Poisson batches) or zero-out
+adjacency (fixed-size batches: one example's gradient replaced by zero, N
+public) one unit's clipped gradient moves the clipped sum by at most Δ = C,
+so each release is a Gaussian mechanism of multiplier σ; the accounted σ is
+lower where a release can move by more:
 
 * a microbatch of several examples: 2C (its clipped mean can flip), σ/2;
 * a logical step spanning m epochs (gradient accumulation) can hold an
@@ -205,7 +207,10 @@ def dp_event(optimizer, num_examples, batch_size=None, sampling="poisson",
       or ``"shuffle"`` (each example once per epoch, no amplification). With
       correlated noise: ``"cyclic"`` (fixed batch order every epoch),
       ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, expected batch
-      size B); see ``CorrelatedNoise.accounting_event``.
+      size B); see ``CorrelatedNoise.accounting_event``. The Poisson events
+      are under add/remove adjacency, the fixed-size ones (``"shuffle"``,
+      ``"cyclic"``) under zero-out adjacency (N public; for replace-one,
+      ``accounting.events.replace_one``).
     steps: ``None`` (default): the run as it happened — the steps taken and,
       once per epoch, the epochs ``optimizer.accounting_ledger`` recorded
       with their real numbers of batches (a logical step whose batches span

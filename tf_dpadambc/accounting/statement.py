@@ -139,6 +139,35 @@ def _how_accounted(structure, sigma=None):
   return lines
 
 
+_ADD_REMOVE = (
+    "adjacency: adding or removing one training example (q = B/N and the "
+    "number of steps are taken as fixed before training; they are computed "
+    "from N, which is treated as public)")
+
+_ZERO_OUT = (
+    "adjacency: zero-out — one training example replaced by one whose "
+    "gradient is zero. N is public: with fixed-size batches the number of "
+    "batches and the last one's size depend on it, so adding or removing an "
+    "example is NOT covered")
+
+_PLANNING = (
+    "adjacency: adding or removing one training example for the Poisson "
+    "figure (q and the steps fixed in advance, from a public N); zero-out "
+    "(one example's gradient replaced by zero, N public) for the "
+    "once-per-epoch figure")
+
+
+def _replace_one_line(event, delta, accountant):
+  """The replace-one ε of a fixed-size-batch run, [] where none applies."""
+  try:
+    swapped = events.replace_one(event)
+  except ValueError:
+    return []
+  value = epsilon_lib.epsilon_of_event(swapped, delta, accountant)
+  return [f"  ε ≤ {value:.3f} if one example is replaced by any other "
+          "(replace-one: twice the zero-out sensitivity, every σ halved)."]
+
+
 _MICROBATCHES = ("microbatches of several examples can change by 2C when one "
                  "example is added or removed")
 
@@ -164,8 +193,9 @@ def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
       f"  noise multiplier σ = {noise_multiplier:g}"
       + (f" (accounted as σ = {sigma:g}: {reason or _TWO_C})"
          if sigma < noise_multiplier else ""),
-      f"  δ = {delta:g}; adjacency: adding or removing one training example; "
-      f"accountant: {accountant.upper()} (dp_accounting)",
+      f"  δ = {delta:g}; accountant: {accountant.upper()} (dp_accounting)",
+      "  " + {"poisson": _ADD_REMOVE, "fixed": _ZERO_OUT}.get(run_sampling,
+                                                             _PLANNING),
   ]
   if noise_multiplier == 0:
     lines.append(
@@ -205,6 +235,7 @@ def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
           "  sampling: fixed-size batches (e.g. model.fit's shuffled "
           "batch_size); the optimizer has no expected_batch_size.",
           once + ": the guarantee of this run.",
+          *_replace_one_line(shuffle_event, delta, accountant),
           *how,
           hypothetical + " does NOT apply to this run: its batches were not "
           f"Poisson samples. It would with {poisson_how}.",
@@ -213,6 +244,7 @@ def _format(num_examples, batch_size, steps, noise_multiplier, sigma, delta,
       lines += [
           hypothetical + ".",
           once + ".",
+          *_replace_one_line(shuffle_event, delta, accountant),
           "  model.fit's shuffled fixed-size batches earn only the second "
           "figure; the first holds for Poisson-sampled batches: "
           f"{poisson_how}.",
@@ -242,13 +274,15 @@ def _format_query(optimizer, num_examples, batch_size, delta, accountant):
       f"{type(optimizer.query.query).__name__}",
       f"  training examples N = {num_examples:,}, batch size B = {batch_size}"
       f" (q = B/N = {batch_size / num_examples:.4g}), steps = {steps:,}",
-      f"  δ = {delta:g}; adjacency: adding or removing one training example; "
-      f"accountant: {accountant.upper()} (dp_accounting)",
+      f"  δ = {delta:g}; accountant: {accountant.upper()} (dp_accounting)",
+      "  " + _ZERO_OUT,
   ]
   try:
+    shuffle_event = optimizer.dp_event(num_examples, batch_size, "shuffle")
     shuffle, poisson = (epsilon_lib.epsilon_of_event(
-        optimizer.dp_event(num_examples, batch_size, sampling), delta,
-        accountant) for sampling in ("shuffle", "poisson"))
+        event, delta, accountant) for event in (
+            shuffle_event,
+            optimizer.dp_event(num_examples, batch_size, "poisson")))
   except queries.NotAccountable as e:
     lines.append(f"  NO ε: {e}")
     return "\n".join(lines)
@@ -257,6 +291,7 @@ def _format_query(optimizer, num_examples, batch_size, delta, accountant):
       f"({optimizer.query_step_event()})",
       f"  ε = {shuffle:.3f} if each example is used exactly once per epoch "
       "(fixed-size batches): the guarantee of this run.",
+      *_replace_one_line(shuffle_event, delta, accountant),
       *_how_accounted(_run_structure(optimizer, num_examples)),
       f"  ε = {poisson:.3f} with Poisson sampling does NOT apply to this run "
       "(its batches were not Poisson samples).",
@@ -288,15 +323,16 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
       f"participation(s) ≥ {mechanism.min_separation} steps apart: "
       f"sens(C) = {mechanism.sensitivity:.4g}; step t adds "
       "σ·C·sens(C)·(C⁻¹z)_t to the clipped sum",
-      f"  δ = {delta:g}; adjacency: adding or removing one training example; "
-      f"accountant: {accountant.upper()} (dp_accounting)",
+      f"  δ = {delta:g}; accountant: {accountant.upper()} (dp_accounting)",
+      "  " + (_ADD_REMOVE if getattr(optimizer, "expected_batch_size", None)
+              is not None else _ZERO_OUT),
   ]
   if optimizer.noise_multiplier == 0:
     lines.append("  NOT PRIVATE: noise_multiplier = 0 adds no noise (ε = ∞).")
     return "\n".join(lines)
 
-  def epsilon(sampling):
-    event = optimizer.dp_event(num_examples, batch_size, sampling)
+  def epsilon(sampling, adjacency=lambda event: event):
+    event = adjacency(optimizer.dp_event(num_examples, batch_size, sampling))
     return epsilon_lib.epsilon_of_event(event, delta, accountant)
 
   def hypothetical():
@@ -317,7 +353,8 @@ def _format_correlated(optimizer, num_examples, batch_size, delta,
                   "default; an example can be in consecutive steps)")):
     k, s = mechanism.participation(steps, sampling, per_epoch)
     lines.append(f"  ε = {epsilon(sampling):.3f} {how}: k = {k} "
-                 f"participation(s) ≥ {s} step(s) apart.")
+                 f"participation(s) ≥ {s} step(s) apart (replace-one: ε ≤ "
+                 f"{epsilon(sampling, events.replace_one):.3f}).")
   lines += _how_accounted(structure)
   try:
     amplified = hypothetical()

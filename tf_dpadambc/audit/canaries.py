@@ -7,8 +7,8 @@ its input x whatever the weights. Canary i is x_i = 2C·e_i (a coordinate
 direction, norm 2C: clipped to exactly C·e_i); background examples live in
 the other coordinates with norm C/2. Each canary is in the training set
 with probability ½; an absent one is replaced by a null example (x = 0, no
-gradient: the sum is as without it, add/remove adjacency), so batches keep
-their shape. Training runs through ``make_private`` + ``fit`` with the
+gradient: zero-out adjacency, the sum is as without it), so batches keep
+their shape and N. Training runs through ``make_private`` + ``fit`` with the
 optimizer under audit (ghost or vectorized clipping, accumulation, Poisson or
 shuffled batches), and the auditor sees every release ḡ_t
 (``DPOptimizer.tap_releases``). Canary i's score is

@@ -2,8 +2,8 @@
 
     clip_C(g) = g · min(1, C / ‖g‖₂)
 
-so that the sum over units has L2 sensitivity C under add/remove-one-unit
-adjacency (Abadi et al. 2016). A unit whose gradient is not finite contributes
+so that the sum over units has L2 sensitivity C when one unit is added,
+removed or zeroed out (Abadi et al. 2016). A unit whose gradient is not finite contributes
 exactly zero (it stays bounded) and is counted, so one bad example cannot
 poison a step.
 

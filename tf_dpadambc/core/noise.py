@@ -178,10 +178,11 @@ def sub_seed(seed, stream):
 
 
 def ime_square_sensitivity(l2_norm_clip, batch_size):
-  """(2B+1)C²/B²: add/remove sensitivity of ḡ² with ḡ = Σ clip_C(g_u)/B.
+  """(2B+1)C²/B²: sensitivity of ḡ² with ḡ = Σ clip_C(g_u)/B, B fixed.
 
-  Adding one unit to B changes ((S + g)/B)² − (S/B)² = (2S⊙g + g²)/B², of
-  L2 norm ≤ (2BC² + C²)/B² (Ganesh et al. 2025, §3.2 and Algorithm 6).
+  Zeroing out one unit (or adding one, the divisor B fixed as with Poisson
+  batches) changes ((S + g)/B)² − (S/B)² = (2S⊙g + g²)/B², of L2 norm
+  ≤ (2BC² + C²)/B² (Ganesh et al. 2025, §3.2 and Algorithm 6).
   """
   b = tf.cast(batch_size, tf.float32)
   return (2.0 * b + 1.0) * tf.square(tf.cast(l2_norm_clip, tf.float32)) / b**2

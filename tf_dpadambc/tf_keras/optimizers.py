@@ -820,7 +820,7 @@ def _tf_privacy_class(name, keras3_name, positional):
          "k the noise is drawn once per logical step of k batches (TF-"
          "Privacy draws it for every batch and averages: √k times more noise "
          "for the same accounting), and microbatches of several examples are "
-         "accounted with sensitivity 2C under add/remove adjacency "
+         "accounted with sensitivity 2C "
          "(TF-Privacy's statement with used_microbatching=True).")
   return _register(type(name, (parent,), {
       "__init__": __init__, "__doc__": doc, "__module__": __name__}))

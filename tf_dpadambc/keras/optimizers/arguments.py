@@ -27,7 +27,7 @@ ARGS_DOC = """  Args:
       tightest accounting). An integer M splits each physical batch into M
       microbatches whose mean gradients are clipped; it must divide the batch
       size. Microbatches of more than one example double the sensitivity
-      under add/remove adjacency, which the accounting takes into account.
+      (add/remove or zero-out), which the accounting takes into account.
     gradient_accumulation_steps: ``None`` or k ≥ 1: one logical private step
       over k physical batches. Clipped sums accumulate, the noise is drawn
       once, and the mean divides by the logical batch's number of units B;

@@ -481,8 +481,8 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
   # The arithmetic is accounting/run.py's; these are its public names.
   @property
   def effective_noise_multiplier(self):
-    """σ for accounting under add/remove adjacency: σ/2 for units of several
-    examples (their clipped mean moves by up to 2C), times
+    """σ for accounting (add/remove or zero-out adjacency): σ/2 for units of
+    several examples (their clipped mean moves by up to 2C), times
     ``traits.accounting_noise_factor``."""
     return run.effective_noise_multiplier(self)
 
