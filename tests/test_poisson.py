@@ -381,6 +381,43 @@ def test_poisson_batches_of_another_expected_size_are_refused():
   assert model.optimizer.steps_taken == 0
 
 
+def test_an_n_larger_than_the_sampled_one_is_refused(tmp_path):
+  # Batches sampled from the first 100 examples have q = 20/100; accounting
+  # them with N = 200 took q = 20/200: ε 2.90 reported for a run of 4.54
+  # (σ = 1, δ = 1e-5, the 5 steps of one epoch).
+  x, y, _ = _problem()
+  small = N // 2
+  model = dp.make_private(_linear_model())
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0, expected_batch_size=B),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  with pytest.raises(ValueError, match=f"sampled from N = {small}"):
+    model.fit(data.poisson_batches(x[:small], y[:small],
+                                   expected_batch_size=B, seed=1),
+              epochs=2, verbose=0, callbacks=[dp.PrivacyBudget(N, 1e-5)])
+  opt = model.optimizer
+  assert opt.steps_taken > 0  # the budget checks after the first epoch
+  for bad in (lambda: opt.dp_event(N),
+              lambda: dp.optimizer_privacy_statement(opt, N, 1e-5)):
+    with pytest.raises(ValueError, match="understate ε"):
+      bad()
+  want = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+      B / small, dp_accounting.GaussianDpEvent(1.0)), opt.steps_taken)
+  assert opt.dp_event(small) == want
+  assert opt.dp_event(small - 5) is not None  # a smaller N over-states ε
+  # The record is saved with the optimizer, so a restored run checks too.
+  path = str(tmp_path / "run.keras")
+  model.save(path)
+  restored = keras.models.load_model(path)
+  with pytest.raises(ValueError, match=f"sampled from N = {small}"):
+    restored.optimizer.dp_event(N)
+  # Two datasets: the smaller N bounds both.
+  model.fit(data.poisson_batches(x, y, expected_batch_size=B, seed=2),
+            epochs=1, verbose=0)
+  with pytest.raises(ValueError, match=f"sampled from N = {small}"):
+    opt.dp_event(N)
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: dp.DPAdamBC(1.0, 1.0, expected_batch_size=0),
      "expected_batch_size"),

@@ -260,15 +260,26 @@ class PoissonSampling:
   steps_per_epoch: int
 
 
+def _sampling_of(x):
+  for name in ("poisson_sampling", "cyclic_poisson"):
+    sampling = getattr(x, name, None)
+    if sampling is not None:
+      return sampling
+  return None
+
+
 def poisson_sampling_of(x):
   """The expected batch size of ``x`` if it is a dataset of
   :func:`poisson_batches` or :func:`cyclic_poisson_batches` as returned
   (None otherwise)."""
-  for name in ("poisson_sampling", "cyclic_poisson"):
-    sampling = getattr(x, name, None)
-    if sampling is not None:
-      return sampling.expected_batch_size
-  return None
+  sampling = _sampling_of(x)
+  return None if sampling is None else sampling.expected_batch_size
+
+
+def poisson_num_examples_of(x):
+  """The N such a dataset samples from (None for other data)."""
+  sampling = _sampling_of(x)
+  return None if sampling is None else sampling.num_examples
 
 
 def _count(name, value):

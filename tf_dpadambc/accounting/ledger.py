@@ -72,8 +72,10 @@ NOTES = {
 
 STATE_SIZE = 32
 _VERSION = 1
-# Slots 27..31 hold the cyclic Poisson record (the branches use at most
+# Slot 26 holds the smallest N a Poisson dataset fed to fit sampled from,
+# slots 27..31 the cyclic Poisson record (the branches use at most
 # 13 + 5·2 = 23 slots: the dynamic program keeps ≤ 2 branches).
+_POISSON_SLOT = 26
 _CP_SLOT = 27
 CP_BROKEN = 1
 CP_FIXED_SEED = 2
@@ -153,6 +155,10 @@ class LedgerState:
   cp_examples: int = 0
   cp_batches: int = 0
   cp_flags: int = 0
+  # The smallest N of the Poisson datasets (data.poisson_batches or
+  # cyclic_poisson_batches) fit trained on: their q = B/N is at least B over
+  # it, so an accounting with a larger N would understate ε (0: none seen).
+  poisson_examples: int = 0
 
   # ------------------------------------------------------------ encoding
   def encode(self):
@@ -162,11 +168,12 @@ class LedgerState:
                 self.unknown, self.min_len, self.max_len, self.last_len,
                 self.min_separation, self.reasons, self.span, self.max_span,
                 len(self.branches)]
-    if 13 + 5 * len(self.branches) > _CP_SLOT:
+    if 13 + 5 * len(self.branches) > _POISSON_SLOT:
       raise ValueError("Accounting ledger: too many open branches.")
     for i, (c, r) in enumerate(sorted(self.branches.items())):
       out[13 + 5 * i:18 + 5 * i] = [c, r.single, r.double, r.more_squares,
                                     r.more_count]
+    out[_POISSON_SLOT] = self.poisson_examples
     out[_CP_SLOT:_CP_SLOT + 5] = [self.cp_groups, self.cp_batch_size,
                                   self.cp_examples, self.cp_batches,
                                   self.cp_flags]
@@ -189,7 +196,7 @@ class LedgerState:
                max_span=v[11], branches=branches or {0: Releases()},
                cp_groups=v[_CP_SLOT], cp_batch_size=v[_CP_SLOT + 1],
                cp_examples=v[_CP_SLOT + 2], cp_batches=v[_CP_SLOT + 3],
-               cp_flags=v[_CP_SLOT + 4])
+               cp_flags=v[_CP_SLOT + 4], poisson_examples=v[_POISSON_SLOT])
 
   def copy(self):
     return dataclasses.replace(self, branches=dict(self.branches))
@@ -507,6 +514,25 @@ class AccountingLedger:
     (accounting.cyclic's recorder)."""
     self._update(change)
 
+  def record_poisson_examples(self, num_examples):
+    """fit is about to train on Poisson batches sampled from N examples."""
+    def note(state, _):
+      state.poisson_examples = (min(state.poisson_examples, num_examples)
+                                if state.poisson_examples else num_examples)
+    self._update(note)
+
+  def check_poisson_examples(self, num_examples):
+    """Refuses to account Poisson steps with an N larger than the smallest
+    one their batches were sampled from (q = B/N would be understated)."""
+    sampled = self.state().poisson_examples
+    if sampled and num_examples > sampled:
+      raise ValueError(
+          f"The Poisson batches {self._optimizer.name} trained on were "
+          f"sampled from N = {sampled:,} examples (q = B/{sampled:,}); "
+          f"accounting them with num_examples = {num_examples:,} would take "
+          f"q = B/{num_examples:,} and understate ε. Pass num_examples = "
+          f"{sampled:,}, the size of the data the batches were drawn from.")
+
   def flag(self, reason):
     self._update(lambda s, p: setattr(s, "reasons", s.reasons | reason))
 
@@ -664,6 +690,7 @@ def _check_poisson_data(optimizer, x):
     return
   from tf_dpadambc import data  # pylint: disable=g-import-not-at-top
   got = data.poisson_sampling_of(x)
+  sampled = data.poisson_num_examples_of(x)
   if got is None:
     raise ValueError(
         f"{optimizer.name} has expected_batch_size={expected}: its ε "
@@ -678,6 +705,9 @@ def _check_poisson_data(optimizer, x):
         f"Poisson batches have an expected size of {got}: its division by B "
         "and its sampling rate B/N would not be the batches'. Build both "
         "with the same expected_batch_size.")
+  ledger = ledger_of(optimizer)
+  if ledger is not None:
+    ledger.record_poisson_examples(sampled)
 
 
 def is_recording(optimizer):

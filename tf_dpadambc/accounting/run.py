@@ -235,6 +235,8 @@ def dp_event(optimizer, num_examples, batch_size=None, sampling="poisson",
         "describes them (an example can be in several steps of an epoch, so "
         "the once-per-epoch accounting does not hold); got "
         f"sampling={sampling!r}, batch_size={batch_size!r}.")
+  if expected is not None:
+    optimizer.accounting_ledger.check_poisson_examples(num_examples)
   batch_size = batch_size or optimizer.logical_batch_size
   if not batch_size:
     raise ValueError("No private step was taken yet: pass batch_size.")
