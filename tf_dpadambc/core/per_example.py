@@ -62,6 +62,27 @@ def _report_looped_ops():
           "those layers cost more per step than the rest.", stacklevel=3)
 
 
+class _FailedConversion(logging.Filter):
+  """Drops pfor's error log of a conversion it gives up on: the op and every
+  op it was created from, with stack traces. pfor then re-raises the error
+  (e.g. a refused per-unit slice), which says what to do."""
+
+  def filter(self, record):
+    return not (record.msg == "%s\ncreated at:\n  %s" or str(
+        record.msg).startswith("Got error while pfor was converting op"))
+
+
+@contextlib.contextmanager
+def quiet_failed_conversions():
+  """Within it, a failed vectorization is reported by its exception only."""
+  logger, quiet = tf.get_logger(), _FailedConversion()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
+
 def split_microbatches(batch, num_microbatches):
   """Reshapes every tensor of ``batch`` from ``[B, ...]`` to ``[M, B/M, ...]``.
 

@@ -471,10 +471,11 @@ def _dp_train_step(self, data):
   optimizer.before_step(self)  # public work only (e.g. AdaDPS' refresh)
   validation.check_model(self)
   batch_size = _batch_size(x)
-  consistent = _verify_stage(self, optimizer, x, y)
-  result, unit_losses, y_pred = _private_stage(
-      self, optimizer, x, y, sample_weight, batch_size, consistent,
-      replicated)
+  with per_example.quiet_failed_conversions():
+    consistent = _verify_stage(self, optimizer, x, y)
+    result, unit_losses, y_pred = _private_stage(
+        self, optimizer, x, y, sample_weight, batch_size, consistent,
+        replicated)
   _advance_seed_generators(self)
   return _logs_stage(self, optimizer, x, y, y_pred, sample_weight,
                      batch_size, result, unit_losses, consistent)
