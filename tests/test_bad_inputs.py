@@ -108,6 +108,32 @@ def test_empty_data_takes_and_counts_no_step(kind):
     dp.optimizer_privacy_statement(opt, N, 1e-5)
 
 
+class _Sizes(keras.utils.PyDataset):
+  """Batches of the given sizes, an empty one among them."""
+
+  def __init__(self, x, y, sizes):
+    super().__init__()
+    self.x, self.y, self.sizes = x, y, sizes
+
+  def __len__(self):
+    return len(self.sizes)
+
+  def __getitem__(self, i):
+    start = sum(self.sizes[:i])
+    return (self.x[start:start + self.sizes[i]],
+            self.y[start:start + self.sizes[i]])
+
+
+def test_an_empty_batch_releases_noise_divided_by_one():
+  # It was divided by 0: noise_variance inf and every weight non-finite.
+  x, y = _data()
+  model, opt = _model(sigma=1.0)
+  model.fit(_Sizes(x, y, [4, 0]), epochs=1, verbose=0, shuffle=False)
+  assert opt.steps_taken == 2
+  assert np.all(np.isfinite(_flat(model)))
+  assert float(opt.noise_variance.numpy()) == pytest.approx(1.0)  # (σC/1)²
+
+
 def test_the_end_of_a_dataset_of_unknown_size_is_not_a_step():
   """Keras runs one more compiled step per epoch that fails on reading its
   data; its `iterations` advances anyway (6 for 4 batches here). The DP
@@ -135,6 +161,32 @@ def test_a_batch_of_one_trains_and_is_accounted():
   assert float(opt.noise_variance.numpy()) == pytest.approx(1.0)  # (σC/1)²
   text = dp.optimizer_privacy_statement(opt, 1, 1e-5)
   assert "q = B/N = 1" in text
+
+
+@pytest.mark.parametrize("make", [
+    lambda path: keras.callbacks.TerminateOnNaN(),
+    lambda path: keras.callbacks.EarlyStopping(monitor="loss"),
+    lambda path: keras.callbacks.ReduceLROnPlateau(monitor="accuracy"),
+    lambda path: keras.callbacks.ModelCheckpoint(
+        path, monitor="loss", save_best_only=True),
+])
+def test_callbacks_acting_on_the_training_logs_are_refused(make, tmp_path):
+  # The logs are not noised: a review told a dataset from its neighbour by
+  # the saved step count, at any σ, with TerminateOnNaN and one NaN example
+  # or EarlyStopping(monitor="loss") and one outlier.
+  x, y = _data()
+  model, opt = _model()
+  before = _flat(model)
+  callback = make(str(tmp_path / "best.keras"))
+  with pytest.raises(ValueError, match="noise"):
+    model.fit(x, y, batch_size=4, verbose=0, callbacks=[callback])
+  _assert_nothing_released(model, opt, before)
+  # Validation quantities, and checkpoints of every epoch, are fine.
+  model.fit(x, y, batch_size=4, verbose=0, validation_data=(x, y),
+            callbacks=[keras.callbacks.EarlyStopping(),
+                       keras.callbacks.ModelCheckpoint(
+                           str(tmp_path / "each.keras"), monitor="loss")])
+  assert opt.steps_taken == 2
 
 
 def _assert_nothing_released(model, opt, before):

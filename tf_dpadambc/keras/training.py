@@ -829,6 +829,7 @@ def make_private(model, clipping="auto", loss_scale=None):
         model, record.metrics + tuple(record.diagnostics.values()))
     _checked_train_function(model)
     replicas.refuse_fit_across_workers(model)
+    validation.refuse_log_driven_callbacks(model)
     ledger.track_fit(model)  # epochs and their batches, for the accounting
     record.private = True
   object.__setattr__(model, "train_step",

@@ -1,4 +1,7 @@
-"""Refuse models whose training cannot be made private per example."""
+"""Refuse models whose training cannot be made private per example, and
+callbacks that would act on the un-noised training logs."""
+import inspect
+
 import keras
 import tensorflow as tf
 
@@ -73,3 +76,68 @@ def check_forward(model, inputs):
         "it: compute the value from the example itself, or keep the state "
         "out of the training forward pass (update it only when "
         "training=False).")
+
+
+def _acts_on(callback):
+  """The training log ``callback`` acts on (stops, tunes or picks what is
+  kept by), or None. Validation quantities (``val_…``, computed on data the
+  model does not train on) and ``epsilon`` (data-independent) are fine."""
+  if isinstance(callback, keras.callbacks.TerminateOnNaN):
+    return "loss"
+  acts = isinstance(callback, (keras.callbacks.EarlyStopping,
+                               keras.callbacks.ReduceLROnPlateau)) or (
+                                   isinstance(callback,
+                                              keras.callbacks.ModelCheckpoint)
+                                   and callback.save_best_only)
+  monitor = getattr(callback, "monitor", None)
+  if not acts or not isinstance(monitor, str):
+    return None
+  return None if monitor.startswith("val_") or monitor == "epsilon" else (
+      monitor)
+
+
+def check_callbacks(callbacks):
+  """Raises ValueError for Keras callbacks driven by the training logs.
+
+  The loss and metrics ``fit`` logs are computed without noise. A callback
+  that stops training, changes the learning rate or chooses the checkpoint
+  to keep from them feeds that un-noised information into the weights and
+  the saved state (a review: with ``TerminateOnNaN`` and one NaN example, or
+  ``EarlyStopping(monitor="loss")`` and one outlier, the saved step count
+  told a dataset from its neighbour at any σ). Custom callbacks cannot be
+  checked; the README says the same of them.
+  """
+  if isinstance(callbacks, keras.callbacks.CallbackList):
+    callbacks = callbacks.callbacks
+  for callback in callbacks or ():
+    monitor = _acts_on(callback)
+    if monitor is None:
+      continue
+    name = type(callback).__name__
+    if isinstance(callback, keras.callbacks.TerminateOnNaN):
+      raise ValueError(
+          "TerminateOnNaN stops training when the training loss is not "
+          "finite, which one example can cause; the loss is computed without "
+          "noise, so when training stops would reveal that example beyond the "
+          "ε reported. Remove it: a unit whose gradient is not finite is "
+          "already zeroed (counted in dp_nonfinite_examples).")
+    raise ValueError(
+        f"{name}(monitor={monitor!r}) acts on a training quantity, computed "
+        "without noise: when it stops training, changes the learning rate or "
+        "picks the checkpoint to keep, it releases information about "
+        "individual training examples that the ε reported does not cover. "
+        "Monitor a validation quantity instead (monitor='val_loss' with "
+        "validation_data held out from the training data), or remove it.")
+
+
+def refuse_log_driven_callbacks(model):
+  """Wraps ``model.fit`` so that :func:`check_callbacks` runs first."""
+  fit = model.fit
+  signature = inspect.signature(type(model).fit)
+
+  def fit_with_checked_callbacks(*args, **kwargs):
+    check_callbacks(signature.bind(model, *args, **kwargs).arguments.get(
+        "callbacks"))
+    return fit(*args, **kwargs)
+  fit_with_checked_callbacks.__doc__ = fit.__doc__
+  object.__setattr__(model, "fit", fit_with_checked_callbacks)

@@ -393,6 +393,11 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
       # records B (Abadi et al. 2016; Opacus normalises the same way).
       num_units = num_examples = tf.constant(self.expected_batch_size,
                                              tf.int64)
+    else:
+      # An empty batch (a generator can yield one) releases noise only:
+      # divided by 1, not 0 (the quotient's privacy does not depend on it).
+      num_units, num_examples = (tf.maximum(num_units, 1),
+                                 tf.maximum(num_examples, 1))
     self.run_recorder.note_batch(num_examples)
 
     def release(sums, square_sums, units, examples):
