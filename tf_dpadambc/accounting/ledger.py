@@ -72,9 +72,12 @@ NOTES = {
 
 STATE_SIZE = 32
 _VERSION = 1
-# Slot 26 holds the smallest N a Poisson dataset fed to fit sampled from,
-# slots 27..31 the cyclic Poisson record (the branches use at most
-# 13 + 5·2 = 23 slots: the dynamic program keeps ≤ 2 branches).
+# Slot 23 holds the physical batches the model ran under the DP optimizers
+# it was compiled with before this one, slot 26 the smallest N a Poisson
+# dataset fed to fit sampled from, slots 27..31 the cyclic Poisson record
+# (the branches use at most 13 + 5·2 = 23 slots: the dynamic program keeps
+# ≤ 2 branches).
+_PRIOR_SLOT = 23
 _POISSON_SLOT = 26
 _CP_SLOT = 27
 CP_BROKEN = 1
@@ -159,6 +162,9 @@ class LedgerState:
   # cyclic_poisson_batches) fit trained on: their q = B/N is at least B over
   # it, so an accounting with a larger N would understate ε (0: none seen).
   poisson_examples: int = 0
+  # Physical batches released by the DP optimizers the model was compiled
+  # with before this one (their releases are in its weights).
+  prior_batches: int = 0
 
   # ------------------------------------------------------------ encoding
   def encode(self):
@@ -168,12 +174,13 @@ class LedgerState:
                 self.unknown, self.min_len, self.max_len, self.last_len,
                 self.min_separation, self.reasons, self.span, self.max_span,
                 len(self.branches)]
-    if 13 + 5 * len(self.branches) > _POISSON_SLOT:
+    if 13 + 5 * len(self.branches) > _PRIOR_SLOT:
       raise ValueError("Accounting ledger: too many open branches.")
     for i, (c, r) in enumerate(sorted(self.branches.items())):
       out[13 + 5 * i:18 + 5 * i] = [c, r.single, r.double, r.more_squares,
                                     r.more_count]
     out[_POISSON_SLOT] = self.poisson_examples
+    out[_PRIOR_SLOT] = self.prior_batches
     out[_CP_SLOT:_CP_SLOT + 5] = [self.cp_groups, self.cp_batch_size,
                                   self.cp_examples, self.cp_batches,
                                   self.cp_flags]
@@ -196,7 +203,8 @@ class LedgerState:
                max_span=v[11], branches=branches or {0: Releases()},
                cp_groups=v[_CP_SLOT], cp_batch_size=v[_CP_SLOT + 1],
                cp_examples=v[_CP_SLOT + 2], cp_batches=v[_CP_SLOT + 3],
-               cp_flags=v[_CP_SLOT + 4], poisson_examples=v[_POISSON_SLOT])
+               cp_flags=v[_CP_SLOT + 4], poisson_examples=v[_POISSON_SLOT],
+               prior_batches=v[_PRIOR_SLOT])
 
   def copy(self):
     return dataclasses.replace(self, branches=dict(self.branches))
@@ -439,6 +447,9 @@ class AccountingLedger:
     # back with the weights, and what was released before it is not in the
     # ledger any more (rolled_back).
     self.furthest = 0
+    # The DP optimizer the model was compiled with before this one, in this
+    # process (follow_run); its run composes with this one's.
+    self.prior_run = None
 
   @property
   def _k(self):
@@ -513,6 +524,26 @@ class AccountingLedger:
     """Applies ``change(state, position)`` to the cyclic Poisson record
     (accounting.cyclic's recorder)."""
     self._update(change)
+
+  def follow_run(self, previous):
+    """This optimizer continues the training ``previous`` (another DP
+    optimizer) did on the same model: the model was compiled again. Its
+    ``dp_event`` composes that run's; the count of its batches is saved."""
+    before = ledger_of(previous)
+    if before is None or previous is self._optimizer:
+      return
+    batches = (before.state().prior_batches + before.position()
+               if getattr(previous, "built", False) else 0)
+    if not batches:
+      return
+    self.prior_run = previous
+    self._update(lambda s, _: setattr(s, "prior_batches", batches))
+
+  def unaccounted_prior_batches(self):
+    """Physical batches of earlier runs of the model (recorded before a
+    save) that this process cannot account: 0 when there are none, or when
+    :attr:`prior_run` is known."""
+    return 0 if self.prior_run is not None else self.state().prior_batches
 
   def record_poisson_examples(self, num_examples):
     """fit is about to train on Poisson batches sampled from N examples."""

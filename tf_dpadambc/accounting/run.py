@@ -20,6 +20,7 @@ lower where a release can move by more:
 """
 import collections
 
+import dp_accounting
 import keras
 import tensorflow as tf
 
@@ -194,7 +195,24 @@ def logical_steps_per_epoch(optimizer, num_examples):
 
 def dp_event(optimizer, num_examples, batch_size=None, sampling="poisson",
              steps=None, extra_epoch_batches=0):
-  """The dp_accounting DpEvent of the training ``optimizer`` performed.
+  """The dp_accounting DpEvent of the training ``optimizer`` performed,
+  composed with the runs of the DP optimizers its model was compiled with
+  before it in this process (their releases are in the weights too; each
+  as it ran: Poisson or once per epoch). Arguments: :func:`own_event`."""
+  own = own_event(optimizer, num_examples, batch_size, sampling, steps,
+                  extra_epoch_batches)
+  previous = optimizer.accounting_ledger.prior_run
+  if previous is None:
+    return own
+  earlier = previous.dp_event(
+      num_examples, sampling="shuffle" if previous.expected_batch_size is None
+      else "poisson")
+  return dp_accounting.ComposedDpEvent([earlier, own])
+
+
+def own_event(optimizer, num_examples, batch_size=None, sampling="poisson",
+              steps=None, extra_epoch_batches=0):
+  """The dp_accounting DpEvent of the training ``optimizer`` itself performed.
 
   Args:
     optimizer: a DP optimizer.

@@ -43,20 +43,40 @@ def optimizer_privacy_statement(optimizer, num_examples, delta,
   more than the ledger now holds (an earlier checkpoint restored)."""
   text = _statement(optimizer, num_examples, delta, accountant, batch_size)
   ledger = ledger_lib.ledger_of(optimizer)
-  moved = ledger.rolled_back() if ledger is not None and getattr(
-      optimizer, "built", False) else None
-  if moved is None:
+  if ledger is None or not getattr(optimizer, "built", False):
     return text
-  message = (
-      f"{optimizer.name}'s ledger was restored in this process to "
-      f"{moved[1]:,} physical batches after it had released {moved[0]:,}: "
-      "the ε below is the restored run's and does not count the releases "
-      "made before the restore (their checkpoints and models are outputs "
-      "too). Account both runs together, or restore into a new process's "
-      "run only what you release.")
-  warnings.warn(message)
+  lines = []
+  moved = ledger.rolled_back()
+  if moved is not None:
+    lines.append(_warning(
+        f"{optimizer.name}'s ledger was restored in this process to "
+        f"{moved[1]:,} physical batches after it had released {moved[0]:,}: "
+        "the ε below is the restored run's and does not count the releases "
+        "made before the restore (their checkpoints and models are outputs "
+        "too). Account both runs together, or restore into a new process's "
+        "run only what you release."))
+  lost = ledger.unaccounted_prior_batches()
+  if lost:
+    lines.append(_warning(
+        f"this model ran {lost:,} physical batches under the DP optimizer(s) "
+        f"it was compiled with before {optimizer.name}, whose ledger this "
+        "process does not have (the run was saved and loaded since): the ε "
+        "below does not count them. Compose their dp_event with this one's."))
+  elif ledger.prior_run is not None:
+    lines.append(
+        f"  includes the run this model had before it was compiled with "
+        f"{optimizer.name}: {ledger.state().prior_batches:,} physical "
+        f"batch(es) under {ledger.prior_run.name} (and any before it), "
+        "composed with this run.")
+  if not lines:
+    return text
   head, _, rest = text.partition("\n")
-  return f"{head}\n  WARNING: {message}\n{rest}"
+  return "\n".join([head, *lines, rest])
+
+
+def _warning(message):
+  warnings.warn(message)
+  return f"  WARNING: {message}"
 
 
 def _statement(optimizer, num_examples, delta, accountant, batch_size):
