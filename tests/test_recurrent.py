@@ -200,3 +200,17 @@ def test_configurations_outside_the_rule_keep_the_loop(case):
     want = _reference(model, x, y, 0.3, None)
     for g, w in zip(got.grads, want.grads):
       np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "SimpleRNN"])
+def test_stateful_layers_are_refused(kind):
+  # Evaluated per unit, the state silently never carried over (a review:
+  # the state variables never moved); carried over, one batch's examples
+  # would reach later steps and the saved state without noise.
+  layer = getattr(keras.layers, kind)(5, stateful=True)
+  model = keras.Sequential([keras.Input((LENGTH,), batch_size=BATCH,
+                                        dtype="int32"),
+                            keras.layers.Embedding(VOCAB, 4), layer,
+                            keras.layers.Dense(3)])
+  with pytest.raises(ValueError, match="stateful=False"):
+    dp.make_private(model)

@@ -28,6 +28,17 @@ def check_model(model):
           "bounded by clipping, so differentially private training cannot "
           "use it. Replace it with keras.layers.GroupNormalization or "
           "keras.layers.LayerNormalization (per-example normalizations).")
+    if getattr(layer, "stateful", False) is True:
+      # Private training evaluates every unit statelessly: the state would
+      # silently never carry over, and if it did, one batch's examples
+      # would reach later steps (and the saved state) without noise.
+      raise ValueError(
+          f"Layer '{layer.name}' ({layer.__class__.__name__}) is stateful: "
+          "it carries each batch's final state into the next batch, so one "
+          "example would influence later steps and the saved state without "
+          "clipping or noise. Private training evaluates each example on its "
+          "own and cannot keep such state. Use stateful=False (pass the "
+          "context as input features instead).")
 
 
 def check_forward(model, inputs):
