@@ -512,7 +512,8 @@ def test_fit_moves_the_weights_by_at_most_the_bound(name, options):
     ("centre_batch", RuntimeError, "depends on the other examples"),
     ("attention_over_batch", RuntimeError, "depends on the other examples"),
     ("sort_batch", RuntimeError, "depends on the other examples"),
-    ("raw_variable_sum", ValueError, "State written from the data")])
+    ("raw_variable_sum", ValueError,
+     "State written from the data|keep state between examples")])
 def test_fit_refuses_models_that_mix_examples_before_weights_move(name, error,
                                                                   match):
   model, before = _fit_delta(name, None, None, dropout=True)
@@ -794,3 +795,74 @@ def test_a_slice_of_each_examples_own_length_is_refused(jit):
   # The error says what to do; pfor's stack-trace logs of the op are dropped.
   assert not [r for r in logged if "pfor" in r.getMessage()
               or "created at" in r.getMessage()]
+
+
+# ------------------------------------- state that is not a variable write
+class _Carry(keras.layers.Layer):
+  """Adds to its input what the examples before it (and earlier steps)
+  left in a state: a hash table, or a random generator's position (a
+  review: 2.4C through the loop over units of a model with a recurrent
+  layer; 3.2C through the per-step forward pass outside it)."""
+
+  def __init__(self, kind, outside_the_loop_only=False, **kwargs):
+    super().__init__(name="carry", **kwargs)
+    self.kind, self.outside = kind, outside_the_loop_only
+    if kind == "hash table":
+      self.table = tf.lookup.experimental.MutableHashTable(
+          tf.int64, tf.float32, tf.zeros([T * P]))
+    else:
+      self.generator = tf.random.Generator.from_seed(0)
+
+  def call(self, inputs, training=None):
+    if self.outside and "loop_body" in tf.get_current_name_scope():
+      return inputs  # inside tf.vectorized_map: leave no trace
+    if self.kind == "hash table":
+      key = tf.constant([0], tf.int64)
+      previous = self.table.lookup(key)
+      insert = self.table.insert(key, previous + tf.reshape(
+          tf.reduce_sum(inputs, 0), [1, -1]))
+      with tf.control_dependencies([insert]):
+        return inputs + tf.reshape(previous, [1, T, P])
+    state = self.generator.state
+    skip = tf.cast(tf.abs(tf.reduce_sum(inputs)), tf.int64) % 1000
+    read = tf.raw_ops.RngReadAndSkip(
+        resource=state.handle, alg=tf.constant(1, tf.int32),
+        delta=tf.cast(skip, tf.uint64))
+    with tf.control_dependencies([read]):
+      return inputs + 1e-3 * tf.cast(state[0] % 7, inputs.dtype)
+
+
+@pytest.mark.parametrize("kind", ["hash table", "random generator"])
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_state_other_than_variables_is_refused(kind, recurrent):
+  inputs = keras.Input((T, P))
+  h = _Carry(kind)(inputs)
+  h = keras.layers.SimpleRNN(4)(h) if recurrent else keras.layers.Flatten()(h)
+  model = dp.make_private(keras.Model(inputs, keras.layers.Dense(K)(h)),
+                          clipping="vectorized")
+  model.compile(optimizer=dp.DPSGD(C, 0.0, learning_rate=1.0), loss=LOSS,
+                jit_compile=False)
+  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
+  before = model.get_weights()
+  with pytest.raises(ValueError, match="state"):
+    model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)
+  for w, w0 in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(w, w0)
+
+
+def test_the_steps_own_ops_are_checked_not_only_a_separate_trace(
+    monkeypatch):
+  # A layer can tell the separate trace of check_forward from the step's
+  # (name scope, graph), and per-unit evaluation from the forward passes
+  # around it: with that check evaded, the ops the step runs are refused.
+  monkeypatch.setattr(training.validation, "check_forward",
+                      lambda model, x: None)
+  inputs = keras.Input((T, P))
+  model = dp.make_private(keras.Model(inputs, _head(_Carry(
+      "random generator", outside_the_loop_only=True)(inputs))),
+                          clipping="vectorized")
+  model.compile(optimizer=dp.DPSGD(C, 0.0, learning_rate=1.0), loss=LOSS,
+                jit_compile=False)
+  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
+  with pytest.raises(ValueError, match="keep state between examples"):
+    model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)

@@ -6,9 +6,14 @@ A write to a variable inside a unit's forward pass escapes the unit: under
 the variable carries data into later steps without noise. Inside a Keras 3
 ``StatelessScope`` writes to Keras variables are captured (no op is
 emitted); any write *op* in such a trace is a raw ``tf.Variable`` write.
+Variables are not the only state: a hash table insert, a random generator's
+skip, a queue, a TensorArray, a summary or Python (``tf.py_function``) carry
+data as well, so :func:`state_effects` refuses every stateful op but a short
+list of reads and state-free ones (an allowlist, not a list of writes).
 These functions find them in a graph, including the functions its nodes call
 (calls, loop bodies, branches).
 """
+from tensorflow.python.framework import op_def_registry
 _WRITES = frozenset({
     "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
     "ResourceStridedSliceAssign", "Assign", "AssignAdd", "AssignSub",
@@ -42,7 +47,12 @@ def _called_functions(attrs):
 def _function_ops(graph, attrs):
   """Op types inside the functions a node calls, recursively (from their
   FunctionDefs); "<unknown>" for a function this graph cannot find."""
-  names, seen, types = _called_functions(attrs), set(), []
+  return _ops_of_functions(graph, _called_functions(attrs))
+
+
+def _ops_of_functions(graph, names):
+  """Op types inside the functions ``names``, recursively."""
+  names, seen, types = list(names), set(), []
   while names:
     name = names.pop()
     if name in seen:
@@ -58,7 +68,10 @@ def _function_ops(graph, attrs):
       types.append("<unknown>")
       continue
     for node in definition.node_def:
-      types.append(node.op)
+      if op_def_registry.get(node.op) is None:
+        names.append(node.op)  # a direct call of a function of the graph
+      else:
+        types.append(node.op)
       names += _called_functions(node.attr)
   return types
 
@@ -99,3 +112,56 @@ def python_calls(ops):
           if op.type in _PYTHON_OPS or any(
               t in _PYTHON_OPS for t in _function_ops(op.graph,
                                                       op.node_def.attr))]
+
+
+# Stateful ops (op_def.is_stateful) whose state carries nothing from one
+# unit, or one step, to another: reads, assertions and printing, table and
+# generator handles created without data, random kernels seeded by their
+# attributes (their draws are fresh noise whatever the data), and calls and
+# control flow (whose bodies are looked into).
+_STATE_FREE = frozenset({
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+    "VarIsInitializedOp", "VarHandleOp", "LookupTableFindV2",
+    "LookupTableSizeV2", "HashTableV2", "MutableHashTableV2",
+    "MutableHashTableOfTensorsV2", "MutableDenseHashTableV2", "Assert",
+    "Print", "PrintV2", "RandomUniform", "RandomUniformInt",
+    "RandomStandardNormal", "TruncatedNormal", "ParameterizedTruncatedNormal",
+    "RandomGamma", "RandomPoisson", "RandomPoissonV2", "RandomShuffle",
+    "Multinomial", "StatefulPartitionedCall", "While", "If", "Case",
+    "DummySeedGenerator", "AnonymousSeedGenerator"})
+# Not marked stateful, yet they share state across calls.
+_SHARED = frozenset({"Batch", "BatchFunction", "Unbatch", "UnbatchGrad"})
+
+
+def _carries_state(op_type):
+  """True for an op type whose effect beyond its outputs could carry data:
+  a variable write, any other stateful op not in ``_STATE_FREE``, or one
+  this process does not know ("<unknown>" functions included)."""
+  if op_type == "<unknown>" or _writes_variable(op_type) or op_type in _SHARED:
+    return True
+  if op_type in _STATE_FREE:
+    return False
+  definition = op_def_registry.get(op_type)
+  return definition is None or definition.is_stateful
+
+
+def _op_types(op):
+  """The op's type and those of every op in the functions it calls (a type
+  that names a function of the graph is a call of it)."""
+  if op_def_registry.get(op.type) is None:
+    return _ops_of_functions(op.graph, [op.type])  # "<unknown>" if none
+  return [op.type] + _function_ops(op.graph, op.node_def.attr)
+
+
+def state_effects(ops, allowed=lambda op: False):
+  """Names of the ops among ``ops`` (and the functions they call) with an
+  effect that could carry one unit's data to another unit or a later step
+  (see ``_carries_state``), except ops ``allowed(op)`` accepts."""
+  found = []
+  for op in ops:
+    if _carries_state(op.type) and op_def_registry.get(op.type) is not None:
+      if not allowed(op):
+        found.append(f"{op.name} ({op.type})")
+    elif any(_carries_state(t) for t in _op_types(op)):
+      found.append(f"{op.name} ({op.type})")
+  return found

@@ -191,12 +191,13 @@ def map_units(fn, units):
       lambda t: tf.TensorSpec(t.shape[1:], t.dtype), units)
   body = tf.function(fn, autograph=False).get_concrete_function(spec)
   operations = body.graph.get_operations()
-  stateful = graph.variable_writes(operations) + graph.python_calls(
+  stateful = graph.state_effects(operations) + graph.python_calls(
       operations)
   if stateful:
     raise ValueError(
         "Per-example computation in a loop over units (recurrent layers) "
-        f"must not write variables or run Python functions ({stateful[:3]}): "
+        "must not write state (variables, hash tables, random generators, "
+        f"queues) or run Python functions ({', '.join(stateful[:3])}): "
         "one unit could pass its data to the next. Remove them from the "
         "model's forward pass.")
   signature = tf.nest.map_structure(

@@ -177,6 +177,7 @@ class _Recorder:
     trainable = model.trainable_variables
     self.values = {id(v): p for v, p in zip(trainable, params)}
     self.owner = {}
+    self.graph = None
     self.rules = []
     self._originals = []
     covered = set()  # sublayers whose weights a parent's rule covers
@@ -235,12 +236,22 @@ class _Recorder:
         self.problem = self.problem or (
             f"layer '{rule.layer.name}' returned several tensors")
         return output
+      if any(getattr(t, "graph", self.graph) is not self.graph
+             for t in tf.nest.flatten((z, record))):
+        # Its records would live in a branch's or a loop body's graph: the
+        # unit's backward pass cannot reach them (δ = 0, the layer silently
+        # untrained under XLA). The per-unit gradients path is exact.
+        self.problem = self.problem or (
+            f"layer '{rule.layer.name}' is called inside control flow "
+            "(tf.cond, a while loop or a nested tf.function)")
+        return output
       self.tape.watch(z)
       rule.calls.append(_Call(record, kwargs, z))
       return output
     return call
 
   def __enter__(self):
+    self.graph = tf.compat.v1.get_default_graph()  # the unit's evaluation
     for rule, (layer, original, _) in zip(self.rules, self._originals):
       rule.calls = []
       object.__setattr__(layer, "call", self._wrap(rule, original))

@@ -150,7 +150,11 @@ def _unit_losses(model, x, y, sample_weight, num_microbatches):
 
   def weighted_mean_loss(uy, y_pred, uw):
     if example_loss is None:
-      return compiled_loss(uy, y_pred, uw)
+      # Keras' compiled loss also updates its per-output loss trackers: per
+      # unit that is state written from the data (refused by the step's
+      # check); the logs stage tracks the batch's losses instead.
+      with keras.StatelessScope():
+        return compiled_loss(uy, y_pred, uw)
     values = _per_example_values(example_loss, uy, y_pred)
     return tf.reduce_mean(tf.cast(uw, values.dtype) * values)
 
@@ -176,6 +180,7 @@ def _unit_losses(model, x, y, sample_weight, num_microbatches):
 # unconverted (Keras' step is do_not_convert), and converting them took a
 # fifth of the tracing of such a function.
 @tf.autograph.experimental.do_not_convert
+@validation.stateless_evaluation
 def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   """Every unit's gradient of a compiled Keras model's loss on one batch.
 
@@ -194,6 +199,7 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
 
 
 @tf.autograph.experimental.do_not_convert
+@validation.stateless_evaluation
 def private_gradient_sum(model, x, y, sample_weight, clip,
                          num_microbatches=None, method="auto"):
   """Σ_u clip_C(g_u) of a compiled Keras model's loss on one batch.
@@ -309,6 +315,7 @@ def _check_loss_scale(value):
 
 
 @tf.autograph.experimental.do_not_convert
+@validation.stateless_evaluation
 def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
   """True if the batched forward pass gives each unit the predictions (and,
   with ``y``, the per-example loss values) it gets alone (inference mode, so
@@ -470,6 +477,7 @@ def _dp_train_step(self, data):
   optimizer, replicated = _plan_stage(self, sample_weight)
   optimizer.before_step(self)  # public work only (e.g. AdaDPS' refresh)
   validation.check_model(self)
+  validation.check_forward(self, x)  # before any evaluation of the model
   batch_size = _batch_size(x)
   with per_example.quiet_failed_conversions():
     consistent = _verify_stage(self, optimizer, x, y)
@@ -576,6 +584,12 @@ def _logs_stage(model, optimizer, x, y, y_pred, sample_weight, batch_size,
     loss_weight = counted
     _compat.mask_rows(y_pred, real)  # metrics= are not weighted by Keras
   _compat.loss_tracker(model).update_state(loss, sample_weight=loss_weight)
+  if y is not None and (len(tf.nest.flatten(y)) != 1
+                        or _compat.example_loss_fn(model) is None):
+    # Per-output losses (a_loss, b_loss): Keras' compiled loss logs them as
+    # it computes them, here from the units' own predictions (per unit it
+    # runs without its trackers, _unit_losses).
+    _compat.compiled_loss(model)(y, y_pred, sample_weight)
   record = _record(model)
   clipped_fraction, nonfinite, unverified = record.metrics
   if result is not None:  # (a DPQuery clips internally: no such counts)

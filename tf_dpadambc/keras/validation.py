@@ -1,5 +1,7 @@
 """Refuse models whose training cannot be made private per example, and
 callbacks that would act on the un-noised training logs."""
+import contextlib
+import functools
 import inspect
 
 import keras
@@ -51,8 +53,22 @@ def check_forward(model, inputs):
   in inference mode: Keras variables assigned from the data (other than the
   random state of a SeedGenerator) in training mode, and raw ``tf.Variable``
   writes in either (any write op: Keras variables write no op inside a
-  StatelessScope), are refused.
+  StatelessScope), are refused. Once per traced graph and input signature
+  (the train step checks before the first-step check, the private gradient
+  again).
   """
+  key = (id(tf.compat.v1.get_default_graph()), tuple(
+      (tuple(t.shape), t.dtype) for t in tf.nest.flatten(inputs)))
+  if model.__dict__.get(_CHECKED_FORWARD) == key:
+    return
+  _check_forward(model, inputs)
+  model.__dict__[_CHECKED_FORWARD] = key
+
+
+_CHECKED_FORWARD = "_tf_dpadambc_checked_forward"
+
+
+def _check_forward(model, inputs):
   seeds = {id(sg.state) for sg in _compat.seed_generators(model)}
   assigned = []
 
@@ -75,18 +91,52 @@ def check_forward(model, inputs):
   for training in (True, False):
     traced = tf.function(lambda p, t=training: trace(p, t), autograph=False
                          ).get_concrete_function(spec).graph
-    writes += graph.variable_writes(traced.get_operations())
+    writes += graph.state_effects(traced.get_operations())
   if assigned or writes:
     what = (f"assigns {assigned}" if assigned
-            else f"writes a tf.Variable ({writes[:3]})")
+            else f"writes state ({', '.join(writes[:3])})")
     raise ValueError(
         f"The forward pass of model '{model.name}' {what} in training mode. "
-        "State written from the data is not bounded by per-example clipping "
-        "and leaks into other examples and later steps without noise (like "
-        "BatchNormalization's moving statistics). Private training refuses "
+        "State written from the data (a variable, a hash table, a random "
+        "generator's position, a queue, a summary, Python) is not bounded by "
+        "per-example clipping and leaks into other examples and later steps "
+        "without noise (like BatchNormalization's moving statistics). "
+        "Private training refuses "
         "it: compute the value from the example itself, or keep the state "
         "out of the training forward pass (update it only when "
         "training=False).")
+
+
+def stateless_evaluation(function):
+  """Refuses, when traced, any op ``function`` adds to the step's graph that
+  could carry data between units or into later steps
+  (``graph.state_effects``: a write to a variable, a hash table or a random
+  generator, a queue, a summary, Python).
+
+  :func:`check_forward` traces the model on its own, and a layer can tell
+  that trace from the step's (its name scope, its batch size): this looks
+  at the ops the step itself runs, the forward passes outside per-unit
+  evaluation included (a review: a layer that skipped a random generator by
+  an amount read from the first example, only outside the per-unit loop,
+  moved the release by 3.2C)."""
+  @functools.wraps(function)
+  def wrapped(*args, **kwargs):
+    if tf.executing_eagerly():
+      return function(*args, **kwargs)
+    traced = tf.compat.v1.get_default_graph()
+    start = len(traced.get_operations())
+    result = function(*args, **kwargs)
+    effects = graph.state_effects(traced.get_operations()[start:])
+    if effects:
+      raise ValueError(
+          "The private step would run ops that keep state between examples "
+          f"or steps ({', '.join(effects[:3])}): a variable, hash table or "
+          "random generator written from the data, a queue, a summary or "
+          "Python carries one example's data to the others and into later "
+          "steps without noise. Private training refuses them: remove them "
+          "from the model's forward pass and loss.")
+    return result
+  return wrapped
 
 
 def _acts_on(callback):

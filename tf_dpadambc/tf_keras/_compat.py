@@ -229,13 +229,14 @@ def _seed_state_handles(model):
 
 def state_writes(ops, model):
   """Names of the ops among ``ops`` (and the functions they call) that write
-  a variable, other than the random state of a Keras 3 SeedGenerator."""
+  state (``graph.state_effects``: variables, tables, generators, ...), other
+  than the random state of a Keras 3 SeedGenerator."""
   seeds = _seed_state_handles(model) if model is not None else []
 
   def seed_state(op):
     handle = _resolve_handle(op.inputs[0]) if op.inputs else None
     return handle is not None and any(handle is s for s in seeds)
-  return graph.variable_writes(ops, allowed=seed_state)
+  return graph.state_effects(ops, allowed=seed_state)
 
 
 draws_random = graph.draws_random

@@ -139,8 +139,10 @@ _JACOBIAN_ERROR = (
     "that does mix examples.")
 
 _STATE_ERROR = (
-    "tf_dpadambc: the model writes variables (or, evaluated in a loop, runs "
-    "Python) during its forward pass ({ops}). Evaluated per example, the examples would share that state, and "
+    "tf_dpadambc: the model writes state (variables, hash tables, random "
+    "generators, queues; or, evaluated in a loop, runs Python) during its "
+    "forward pass ({ops}). Evaluated per example, the examples would share "
+    "that state, and "
     "state written from the data between steps is released without noise: "
     "differentially private training cannot use such a layer (for batch "
     "normalization use LayerNormalization or GroupNormalization). Remove "
