@@ -524,6 +524,19 @@ def test_fit_refuses_models_that_mix_examples_before_weights_move(name, error,
     np.testing.assert_array_equal(got, want)
 
 
+def test_mixing_only_in_training_is_refused_where_training_is_deterministic():
+  # The check ran in inference mode only, so a layer mixing examples only in
+  # training trained a different model than written, without a word (a
+  # review; privacy held). Without randomness, it now checks in training
+  # mode. (With Dropout it cannot: the training test above.)
+  model, before = _fit_delta("training_only_lag", None, None, dropout=False)
+  x, y = batch(model, np.random.default_rng(2), 4 * B)
+  with pytest.raises(RuntimeError, match="depends on the other examples"):
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+  for got, want in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(got, want)
+
+
 def _compiled(model, steps_per_execution=1):
   model = dp.make_private(model)
   with pytest.warns(UserWarning, match="NOT differentially private"):

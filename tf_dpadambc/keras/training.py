@@ -318,8 +318,10 @@ def _check_loss_scale(value):
 @validation.stateless_evaluation
 def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
   """True if the batched forward pass gives each unit the predictions (and,
-  with ``y``, the per-example loss values) it gets alone (inference mode, so
-  that randomness does not differ).
+  with ``y``, the per-example loss values) it gets alone: in training mode
+  where that draws no random numbers (``validation.deterministic_in_
+  training``: a layer that mixes examples only in training is caught),
+  else in inference mode, so that randomness does not differ.
 
   Privacy does not rest on this (every private path evaluates units alone);
   it says whether per-unit evaluation trains the model the user wrote. A
@@ -341,9 +343,11 @@ def examples_independent(model, x, num_microbatches=None, rtol=1e-3, y=None):
   if example_loss is not None and len(tf.nest.flatten(y)) != 1:
     example_loss = None
 
+  training = validation.deterministic_in_training(model)
+
   def predict(inputs):
     return model.stateless_call(params, non_trainable, inputs,
-                                training=False)[0]
+                                training=training)[0]
 
   def predict_unit(unit):
     ux, uy = unit

@@ -66,6 +66,14 @@ def check_forward(model, inputs):
 
 
 _CHECKED_FORWARD = "_tf_dpadambc_checked_forward"
+_DRAWS_RANDOM = "_tf_dpadambc_training_draws_random"
+
+
+def deterministic_in_training(model):
+  """True if :func:`check_forward` saw the model's training-mode forward
+  pass draw no random numbers (so a batched and a per-unit evaluation in
+  training mode must agree); False if it draws some, or was not checked."""
+  return model.__dict__.get(_DRAWS_RANDOM) is False
 
 
 def _check_forward(model, inputs):
@@ -92,6 +100,9 @@ def _check_forward(model, inputs):
     traced = tf.function(lambda p, t=training: trace(p, t), autograph=False
                          ).get_concrete_function(spec).graph
     writes += graph.state_effects(traced.get_operations())
+    if training:
+      model.__dict__[_DRAWS_RANDOM] = graph.draws_random(
+          traced.get_operations())
   if assigned or writes:
     what = (f"assigns {assigned}" if assigned
             else f"writes state ({', '.join(writes[:3])})")
