@@ -70,6 +70,7 @@ import tf_dpadambc as dp  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")  # one tf.function per run: no retrace notes
 
+from tf_dpadambc.core import clipping  # noqa: E402
 from tf_dpadambc.keras.optimizers import base as dp_base  # noqa: E402
 
 # The paper's runs used DP-MF noise: its figures sit beside the DP-MF rows.
@@ -148,7 +149,7 @@ def train(optimizer, x, y, clip):
       theta = var.value
       grad = (tf.sigmoid(theta * xs[t]) - ys[t]) * xs[t]
       clipped = tf.clip_by_value(grad, -clip, clip)  # one example per trial
-      optimizer.apply_private([clipped], 1, 1, [var])
+      optimizer.apply_private(clipping.assume_clipped([clipped]), 1, 1, [var])
       return t + 1, var.value
     return tf.while_loop(lambda t, _: t < steps, body,
                          (tf.constant(0), var.value))

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dpadambc as dp  # noqa: E402
+from tf_dpadambc.core import clipping  # noqa: E402
 
 
 def run(noise, steps, m, sigma=1.0, clip=1.0, units=10, lr=0.05, beta_2=0.99,
@@ -37,7 +38,8 @@ def run(noise, steps, m, sigma=1.0, clip=1.0, units=10, lr=0.05, beta_2=0.99,
   for t in range(1, steps + 1):
     g = (curvature * var).numpy()
     clean = beta_2 * clean + (1 - beta_2) * g.astype("float64") ** 2
-    opt.apply_private([tf.constant(g * units)], units, units, [var])
+    opt.apply_private(
+        clipping.assume_clipped([tf.constant(g * units)]), units, units, [var])
     if t in (10, 50, 100, 200, 400, steps):
       v_hat = float(tf.reduce_mean(opt.second_moment(var)))
       want = np.mean(clean / (1 - beta_2 ** t)) + float(opt.phi())

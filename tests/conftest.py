@@ -60,11 +60,13 @@ def drive(optimizer, init, mean_gradients, batch_size):
   Each mean g becomes the clipped sum B·g of a batch of B units; returns the
   parameter trajectory (list of NumPy arrays after each step).
   """
+  from tf_dpadambc.core import clipping  # pylint: disable=g-import-not-at-top
   var = keras.Variable(np.array(init, dtype="float32"))
   out = []
   for g in mean_gradients:
-    optimizer.apply_private([np.asarray(g, "float32") * batch_size],
-                            batch_size, batch_size, [var])
+    optimizer.apply_private(
+        clipping.assume_clipped([np.asarray(g, "float32") * batch_size]),
+        batch_size, batch_size, [var])
     out.append(var.numpy().copy())
   return out
 

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dpadambc as dp
+from tf_dpadambc.core import clipping
 from tf_dpadambc import mechanisms
 from tf_dpadambc import mf
 from tf_dpadambc.core import noise as core_noise
@@ -88,7 +89,8 @@ def test_optimizer_adds_sigma_c_sens_times_the_stream_over_b(name):
   moves = []
   for _ in range(steps):
     before = var.numpy().copy()
-    opt.apply_private([tf.zeros((4, 3))], units, units, [var])
+    opt.apply_private(
+        clipping.assume_clipped([tf.zeros((4, 3))]), units, units, [var])
     moves.append(before - var.numpy())
   seed_pair = opt._seed_pair
   z = [core_noise.gaussian_noise_like(
@@ -109,7 +111,7 @@ def test_ime_second_release_is_correlated_on_its_own_stream():
   mechanism = mechanisms.CorrelatedNoise(STRATEGIES["blt"], steps=8)
   opt = dp.DPAdamIME(1.0, 1.0, seed=5, noise=mechanism)
   var = tf.Variable(tf.zeros((3,)))
-  opt.apply_private([tf.zeros((3,))], 4, 4, [var])
+  opt.apply_private(clipping.assume_clipped([tf.zeros((3,))]), 4, 4, [var])
   states = opt._noise_state
   assert set(states) == {0, 1}
   first, second = states[0][0].numpy(), states[1][0].numpy()
@@ -134,7 +136,8 @@ def test_stp_noises_the_scaled_gradient_with_one_shared_strategy():
   scales = []
   for t in range(steps):
     scale = opt.preconditioner([var])[0].numpy() if opt.built else 10.0
-    opt.apply_private([tf.zeros((3, 2))], units, units, [var])
+    opt.apply_private(
+        clipping.assume_clipped([tf.zeros((3, 2))]), units, units, [var])
     g_bar = opt._momentums[0].numpy()  # β1 = 0: m_t = ḡ_t
     want = sigma * clip * mechanism.sensitivity * sum(
         inverse[t, j] * z[j] for j in range(t + 1)) / units
@@ -157,7 +160,9 @@ def test_mf_bias_of_v_hat_matches_monte_carlo_within_two_percent():
   per_step = (sigma * clip / units) ** 2 * mechanism.sensitivity ** 2 * (
       strategy.inverse_row_norms_squared(40))
   for t in range(1, 41):
-    opt.apply_private([tf.fill((m,), g * units)], units, units, [var])
+    opt.apply_private(
+        clipping.assume_clipped([tf.fill((m,), g * units)]), units, units,
+        [var])
     want_phi = (1 - beta_2) / (1 - beta_2 ** t) * sum(
         beta_2 ** (t - i) * per_step[i - 1] for i in range(1, t + 1))
     np.testing.assert_allclose(float(opt.phi()), want_phi, rtol=1e-5)
@@ -252,9 +257,10 @@ def test_correlated_noise_refuses_a_step_on_a_subset_of_the_variables():
   opt = dp.DPAdam(1.0, 1.0, noise=mechanisms.CorrelatedNoise(
       STRATEGIES["blt"], 4))
   a, b = tf.Variable(tf.zeros(3)), tf.Variable(tf.zeros(2))
-  opt.apply_private([tf.zeros(3), tf.zeros(2)], 4, 4, [a, b])
+  opt.apply_private(
+      clipping.assume_clipped([tf.zeros(3), tf.zeros(2)]), 4, 4, [a, b])
   with pytest.raises(ValueError, match="every step must update all"):
-    opt.apply_private([tf.zeros(3)], 4, 4, [a])
+    opt.apply_private(clipping.assume_clipped([tf.zeros(3)]), 4, 4, [a])
 
 
 def test_dpquery_noise_ignores_the_global_seed():

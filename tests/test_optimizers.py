@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import tf_dpadambc as dp
+from tf_dpadambc.core import clipping
 from tests.conftest import drive
 
 C, SIGMA, B = 0.5, 1.3, 32
@@ -133,7 +134,8 @@ def test_accumulation_is_one_step_over_the_logical_batch():
                  gradient_accumulation_steps=2)
   var = keras.Variable(np.zeros(n, "float32"))
   for _ in range(2):
-    acc.apply_private([g * B / 2], B // 2, B // 2, [var])
+    acc.apply_private(
+        clipping.assume_clipped([g * B / 2]), B // 2, B // 2, [var])
   np.testing.assert_allclose(var.numpy(), one, rtol=1e-5, atol=1e-7)
   assert acc.steps_taken == 1
   np.testing.assert_allclose(float(acc.noise_variance), PHI, rtol=1e-5)
@@ -211,3 +213,17 @@ def test_privacy_parameters_are_fixed_once_the_optimizer_is_made(make, name,
   assert getattr(optimizer, name) is before
   optimizer.learning_rate = 0.05  # what is not privacy stays settable
   np.testing.assert_allclose(float(optimizer.learning_rate), 0.05)
+
+
+def test_apply_private_takes_only_a_clipped_sum():
+  # A raw gradient sum released as clipped has no bounded sensitivity (a
+  # review: 7,286 times the bound, counted as private steps).
+  var = keras.Variable(np.zeros(3, "float32"))
+  opt = dp.DPSGD(1.0, 1.0, learning_rate=1.0)
+  with pytest.raises(TypeError, match="assume_clipped"):
+    opt.apply_private([np.array([1e4, 0.0, 0.0], "float32")], 1, 1, [var])
+  assert opt.steps_taken == 0
+  np.testing.assert_array_equal(var.numpy(), np.zeros(3))
+  opt.apply_private(clipping.assume_clipped([np.zeros(3, "float32")]), 1, 1,
+                    [var])
+  assert opt.steps_taken == 1

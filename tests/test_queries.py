@@ -17,6 +17,7 @@ from tf_dpadambc import mechanisms
 from tf_dpadambc import queries
 from tf_dpadambc import tf_privacy
 from tf_dpadambc.accounting import epsilon as epsilon_lib
+from tf_dpadambc.core import clipping
 from tf_dpadambc.accounting import events
 
 needs_tfp = pytest.mark.skipif(not tf_privacy.available(),
@@ -218,7 +219,8 @@ def test_bad_query_uses_are_refused():
     optimizer.get_config()
   variable = keras.Variable(np.zeros(3, "float32"))
   with pytest.raises(TypeError, match="apply_per_unit"):
-    optimizer.apply_private([tf.zeros(3)], 1, 1, [variable])
+    optimizer.apply_private(clipping.assume_clipped([tf.zeros(3)]), 1, 1,
+                            [variable])
 
 
 def test_global_seed_warning():

@@ -339,7 +339,8 @@ def test_jme_needs_the_square_sum():
   opt = dp.DPAdamJME(C, SIGMA)
   var = keras.Variable(INIT)
   with pytest.raises(ValueError, match="squared clipped"):
-    opt.apply_private([np.zeros(6, "float32")], B, B, [var])
+    opt.apply_private(
+        clipping.assume_clipped([np.zeros(6, "float32")]), B, B, [var])
 
 
 # ------------------------------------------------------------- 2. limits
@@ -366,8 +367,9 @@ def test_jme_without_noise_on_single_units_is_adam():
     adam = dp.DPAdam(C, 0.0, learning_rate=0.01, epsilon=1e-5)
   a, b = keras.Variable(INIT), keras.Variable(INIT)
   for g in STREAM:
-    jme.apply_private([g], 1, 1, [a], clipped_square_sum=[g * g])
-    adam.apply_private([g], 1, 1, [b])
+    jme.apply_private(
+        clipping.assume_clipped([g]), 1, 1, [a], clipped_square_sum=[g * g])
+    adam.apply_private(clipping.assume_clipped([g]), 1, 1, [b])
   np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
 
 
@@ -441,7 +443,8 @@ def test_jme_noise_on_both_halves(adjacency):
                      adjacency=adjacency, seed=seed)
   var = keras.Variable(np.zeros(n, "float32"))
   zeros = np.zeros(n, "float32")
-  opt.apply_private([zeros], B, B, [var], clipped_square_sum=[zeros])
+  opt.apply_private(
+      clipping.assume_clipped([zeros]), B, B, [var], clipped_square_sum=[zeros])
   first = opt._momentums[0].numpy().astype("float64")   # β1 = 0: m = first
   second = opt._velocities[0].numpy().astype("float64")  # β2 = 0: v = second
   std = SIGMA * (math.sqrt(clip ** 2 + lam * clip ** 4)
@@ -475,7 +478,8 @@ def test_jme_effective_noise_multiplier_and_dp_event():
   # The reported DpEvent uses the discounted σ.
   var = keras.Variable(np.zeros(3, "float32"))
   zeros = [np.zeros(3, "float32")]
-  ro.apply_private(zeros, 64, 64, [var], clipped_square_sum=zeros)
+  ro.apply_private(
+      clipping.assume_clipped(zeros), 64, 64, [var], clipped_square_sum=zeros)
   event = ro.dp_event(6400)
   assert event.event.event.noise_multiplier == pytest.approx(want)
   # Default λ = 1/(2C²): σ·C/sqrt(C² + C²/2) = σ·sqrt(2/3).
@@ -488,7 +492,8 @@ def test_jme_replace_one_statement_names_the_joint_release():
   opt = dp.DPAdamJME(0.5, 1.2, adjacency="replace_one")
   var = keras.Variable(np.zeros(3, "float32"))
   zeros = [np.zeros(3, "float32")]
-  opt.apply_private(zeros, 64, 64, [var], clipped_square_sum=zeros)
+  opt.apply_private(
+      clipping.assume_clipped(zeros), 64, 64, [var], clipped_square_sum=zeros)
   text = dp.optimizer_privacy_statement(opt, 6400, 1e-5)
   assert "accounted as σ = 0.979796" in text  # σ·sqrt(2/3): right number
   # ...but the reason given must be JME's add/remove sensitivity
@@ -593,19 +598,21 @@ def test_per_layer_noise_std_and_phi():
   a, b = keras.Variable(np.zeros(n, "float32")), keras.Variable(
       np.zeros(n, "float32"))
   zeros = np.zeros(n, "float32")
-  opt.apply_private([zeros, zeros], B, B, [a, b])
+  opt.apply_private(clipping.assume_clipped([zeros, zeros]), B, B, [a, b])
   std = SIGMA * 0.5 / B
   # 100k draws per tensor: relative s.e. 0.22%; tolerance 1.5%.
   for v in (a, b):
     assert abs(np.std(v.numpy()) / std - 1) < 0.015
   np.testing.assert_allclose(float(opt.noise_variance), std ** 2, rtol=1e-5)
   bc = dp.DPAdamBC(clips, SIGMA, seed=seed)
-  bc.apply_private([zeros, zeros], B, B, [keras.Variable(zeros),
+  bc.apply_private(
+      clipping.assume_clipped([zeros, zeros]), B, B, [keras.Variable(zeros),
                                           keras.Variable(zeros)])
   # Φ₁ = ((1−β2)Φ)/(1−β2) in float32: relative error ~1e-5.
   np.testing.assert_allclose(float(bc.phi()), std ** 2, rtol=1e-4)
   ime = dp.DPAdamIME(clips, SIGMA, seed=seed)
-  ime.apply_private([zeros, zeros], B, B, [keras.Variable(zeros),
+  ime.apply_private(
+      clipping.assume_clipped([zeros, zeros]), B, B, [keras.Variable(zeros),
                                            keras.Variable(zeros)])
   np.testing.assert_allclose(float(ime.noise_variance), 2 * std ** 2,
                              rtol=1e-5)
@@ -649,8 +656,8 @@ def test_per_layer_clip_count_mismatch_raises():
   with pytest.raises(ValueError, match="3 per-layer clip norms for 2"):
     dp.DPAdamSTP([0.1, 0.2, 0.3], 1.0).clip_spec(two)
   with pytest.raises(ValueError, match="3 per-layer clip norms for 2"):
-    dp.DPSGD([0.1, 0.2, 0.3], 1.0).apply_private(
-        [np.zeros(3, "float32"), np.zeros(2, "float32")], 4, 4, two)
+    dp.DPSGD([0.1, 0.2, 0.3], 1.0).apply_private(clipping.assume_clipped(
+        [np.zeros(3, "float32"), np.zeros(2, "float32")]), 4, 4, two)
   with pytest.raises(ValueError, match="1 per-layer clip norms for 2"):
     clipping.materialized_clipped_sum(
         [tf.zeros((4, 3)), tf.zeros((4, 2))],
@@ -699,7 +706,8 @@ ALL_CLASSES = [dp.DPAdam, dp.DPAdamBC, dp.DPAdamIME, dp.DPAdamJME,
 
 def _apply(opt, var, g):
   square = [g * g * B] if getattr(opt, "_uses_square_sum", False) else None
-  opt.apply_private([g * B], B, B, [var], clipped_square_sum=square)
+  opt.apply_private(
+      clipping.assume_clipped([g * B]), B, B, [var], clipped_square_sum=square)
 
 
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
@@ -815,7 +823,7 @@ def test_dp2_phases_against_numpy(cls):
     assert float(spec.l2_norm_clip) == (c1 if in_sgd else c2)
     want_scale = np.ones(6) if in_sgd else 1 / (np.sqrt(a) + eps)
     np.testing.assert_allclose(spec.scale[0].numpy(), want_scale, rtol=1e-5)
-    opt.apply_private([stream[t] * B], B, B, [var])
+    opt.apply_private(clipping.assume_clipped([stream[t] * B]), B, B, [var])
     # Phase 2 releases with clip C2: the same draw scaled by C2/C1.
     released = stream[t] + (z[t] if in_sgd else c2 / c1 * z[t])
     theta = theta - lr * released

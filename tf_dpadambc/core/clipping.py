@@ -48,6 +48,22 @@ the scaled coordinates, and ``norms`` are ‖s⊙g_u‖.
 """
 
 
+def assume_clipped(grads, square_grads=None):
+  """A :data:`ClippedSum` of sums the caller vouches for: Σ_u clip_C(g_u)
+  (and Σ_u clip(g_u)² where JME needs it) computed elsewhere, e.g. by a
+  pipeline that clips each unit itself, or known values in a test.
+
+  ``DPOptimizer.apply_private`` releases only ClippedSums (this, or what
+  ``private_gradient_sum``, :func:`materialized_clipped_sum` and
+  ``apply_per_unit`` return), so that raw gradients are never released as
+  if clipped by mistake: this function is the caller saying so by name.
+  """
+  return ClippedSum(
+      grads=list(grads), norms=None, num_clipped=0, num_nonfinite=0,
+      mismatch=False,
+      square_grads=None if square_grads is None else list(square_grads))
+
+
 class ClipSpec(collections.namedtuple(
     "ClipSpec", ["l2_norm_clip", "layer_clips", "automatic_gamma", "scale",
                  "square_sum"], defaults=[None, None, None, False])):

@@ -118,7 +118,7 @@ def _apply_across_replicas(strategy, optimizer, result, num_units,
   # Every worker continues from worker 0's seed (see the module docstring).
   optimizer._private.seed_variable.assign(total(seed_share))  # pylint: disable=protected-access
   optimizer.apply_private(
-      [total(g) for g in result.grads], total(num_units), total(num_examples),
-      variables,
-      clipped_square_sum=(None if result.square_grads is None else
-                          [total(g) for g in result.square_grads]))
+      result._replace(grads=[total(g) for g in result.grads],
+                      square_grads=None if result.square_grads is None else
+                      [total(g) for g in result.square_grads]),
+      total(num_units), total(num_examples), variables)

@@ -299,20 +299,35 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
   def apply_private(self, clipped_sum, num_units, num_examples,
                     trainable_variables=None, clipped_square_sum=None):
     """Feeds one physical batch's Σ_u clip_C(g_u) (units clipped at
-    :meth:`clip_spec`; a list or a ``ClippedSum``, with Σ_u clip(g_u)² where
-    JME needs it). At the k-th batch (else at once) the noise is drawn once
-    and the weights are updated."""
+    :meth:`clip_spec`; a ``ClippedSum``, with Σ_u clip(g_u)² where JME needs
+    it). At the k-th batch (else at once) the noise is drawn once and the
+    weights are updated.
+
+    Only a ``ClippedSum`` is taken: what ``private_gradient_sum``,
+    ``clipping.materialized_clipped_sum`` and :meth:`apply_per_unit` return,
+    or ``clipping.assume_clipped(sums)`` where the caller clipped each unit
+    itself. A plain list of tensors is refused: raw gradients released as a
+    clipped sum have no bounded sensitivity (a review: 7,286 times the bound,
+    counted as private steps)."""
     if self.privatizer.clips_records:
       raise TypeError(
           f"{self.name} privatizes with a DPQuery, which clips each unit "
           "itself: feed it per-unit gradients with apply_per_unit().")
+    if not isinstance(clipped_sum, clipping.ClippedSum):
+      raise TypeError(
+          f"{self.name}.apply_private releases a clipped sum it cannot "
+          f"check; got {type(clipped_sum).__name__}. Pass the ClippedSum of "
+          "tf_dpadambc.private_gradient_sum (or "
+          "clipping.materialized_clipped_sum), feed per-unit gradients to "
+          "apply_per_unit() (which clips them), or, if you clipped every "
+          "unit yourself, say so: clipping.assume_clipped(sums).")
     # Every op of the step waits for this batch's data: where the input
     # iterator ends inside a compiled step, nothing runs (Keras would still
     # advance `iterations`, counting a step that released nothing).
     with _after_inputs(clipped_sum, clipped_square_sum, num_units):
-      if isinstance(clipped_sum, clipping.ClippedSum):
-        clipped_sum, clipped_square_sum = (clipped_sum.grads,
-                                           clipped_sum.square_grads)
+      clipped_sum, clipped_square_sum = (
+          clipped_sum.grads, clipped_sum.square_grads
+          if clipped_sum.square_grads is not None else clipped_square_sum)
       self._feed(clipped_sum, clipped_square_sum, num_units, num_examples,
                  trainable_variables)
 
