@@ -499,10 +499,13 @@ def test_a_model_compiled_again_composes_the_earlier_runs(tmp_path):
   x, y = _data()
   model = _model(sigma=1.0)
   model.fit(x, y, batch_size=B, epochs=3, verbose=0)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   for _ in range(2):
+    # (A non-DP compile in between, whose fit would be refused, broke the
+    # chain: ε 4.73 again.)
+    model.compile(optimizer="sgd", loss=loss)
     model.compile(optimizer=dp.DPAdamBC(l2_norm_clip=1.0, noise_multiplier=1.0),
-                  loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), jit_compile=False)
+                  loss=loss, jit_compile=False)
     model.fit(x, y, batch_size=B, epochs=1, verbose=0)
   opt = model.optimizer
   assert opt.steps_taken == 10
@@ -519,3 +522,14 @@ def test_a_model_compiled_again_composes_the_earlier_runs(tmp_path):
   with pytest.warns(UserWarning, match="ran 40 physical batches"):
     text = dp.optimizer_privacy_statement(loaded.optimizer, N, DELTA)
   assert "WARNING" in text
+
+
+def test_an_optimizer_assigned_without_compile_is_refused():
+  # The traced step kept training with the first optimizer while
+  # model.optimizer (what the statement and PrivacyBudget read) said ε 0.
+  x, y = _data()
+  model = _model(sigma=1.0)
+  model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+  model.optimizer = dp.DPSGD(l2_norm_clip=1.0, noise_multiplier=1.0)
+  with pytest.raises(ValueError, match="Compile again"):
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)

@@ -879,3 +879,72 @@ def test_the_steps_own_ops_are_checked_not_only_a_separate_trace(
   x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
   with pytest.raises(ValueError, match="keep state between examples"):
     model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)
+
+
+class _RandomPosition(keras.layers.Layer):
+  """Draws tf.random.uniform as many times as the example says: the op's
+  stream position, read by later draws, carried the data (a review: 1.6C)."""
+
+  def call(self, inputs, training=None):
+    count = tf.cast(tf.abs(tf.reduce_sum(inputs)) * 10.0, tf.int32) % 50 + 1
+    _, last = tf.while_loop(
+        lambda i, _: i < count,
+        lambda i, _: (i + 1, tf.random.uniform([], seed=7)),
+        (tf.constant(0), tf.constant(0.0)))
+    return inputs * tf.sign(last - 0.5)
+
+
+class _ReadsAMetric(keras.layers.Layer):
+  """Scales by a metric's state, which the logs update from the un-noised
+  batch (a review: 1.8C)."""
+
+  def __init__(self, metric, **kwargs):
+    super().__init__(name="reads_a_metric", **kwargs)
+    self.metric = metric
+
+  def call(self, inputs):
+    total = tf.convert_to_tensor(self.metric.variables[0])
+    return inputs * tf.sign(tf.sin(total * 10.0) + 1e-3)
+
+
+@pytest.mark.parametrize("kind", ["random position", "metric"])
+def test_channels_through_allowed_looking_ops_are_refused(kind):
+  inputs = keras.Input((T, P))
+  metric = keras.metrics.MeanAbsoluteError()
+  layer = (_RandomPosition(name="random_position") if kind == "random position"
+           else _ReadsAMetric(metric))
+  model = dp.make_private(keras.Model(inputs, _head(layer(inputs))))
+  model.compile(optimizer=dp.DPSGD(C, 0.0, learning_rate=1.0), loss=LOSS,
+                metrics=[metric], jit_compile=False)
+  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
+  before = model.get_weights()
+  with pytest.raises(ValueError, match="state|not the model's"):
+    model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)
+  for w, w0 in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(w, w0)
+
+
+class _WritesWhenEager(keras.layers.Layer):
+  """Writes a raw variable from the batch only when run eagerly: the check
+  traced the model, the eager step ran it (a review: 5C)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(name="writes_when_eager", **kwargs)
+    self.store = tf.Variable(0.0, trainable=False)
+
+  def call(self, inputs):
+    if tf.executing_eagerly():
+      self.store.assign_add(tf.reduce_sum(inputs))
+      return inputs * tf.sign(tf.sin(self.store * 1000.0) + 1e-3)
+    return inputs
+
+
+def test_run_eagerly_still_evaluates_the_model_traced():
+  layer = _WritesWhenEager()
+  inputs = keras.Input((T, P))
+  model = dp.make_private(keras.Model(inputs, _head(layer(inputs))))
+  model.compile(optimizer=dp.DPSGD(C, 0.0, learning_rate=1.0), loss=LOSS,
+                run_eagerly=True)
+  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
+  model.fit(x, np.zeros(B, "int32"), batch_size=B, epochs=2, verbose=0)
+  assert float(layer.store.numpy()) == 0.0  # never run eagerly in the step

@@ -686,8 +686,7 @@ def track_fit(model):
     if callbacks is None:
       callbacks = ours
     elif isinstance(callbacks, keras.callbacks.CallbackList):
-      for callback in ours:
-        callbacks.append(callback)
+      callbacks.callbacks.extend(ours)  # (it has no append)
     else:
       callbacks = ours + list(callbacks)
     arguments["callbacks"] = callbacks

@@ -13,6 +13,7 @@ list of reads and state-free ones (an allowlist, not a list of writes).
 These functions find them in a graph, including the functions its nodes call
 (calls, loop bodies, branches).
 """
+import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 _WRITES = frozenset({
     "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
@@ -115,20 +116,19 @@ def python_calls(ops):
 
 
 # Stateful ops (op_def.is_stateful) whose state carries nothing from one
-# unit, or one step, to another: reads, assertions and printing, table and
-# generator handles created without data, random kernels seeded by their
-# attributes (their draws are fresh noise whatever the data), and calls and
-# control flow (whose bodies are looked into).
+# unit, or one step, to another: reads, assertions and printing, table
+# handles created without data, and calls and control flow (whose bodies are
+# looked into). Not the stateful random kernels (tf.random.uniform, ...):
+# their position in their stream advances with every draw, so a loop or a
+# branch driven by the data moves it, and later draws (other units, later
+# steps) depend on the data (a review: 1.6C). Keras' random ops with a
+# SeedGenerator are stateless kernels.
 _STATE_FREE = frozenset({
     "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
     "VarIsInitializedOp", "VarHandleOp", "LookupTableFindV2",
     "LookupTableSizeV2", "HashTableV2", "MutableHashTableV2",
     "MutableHashTableOfTensorsV2", "MutableDenseHashTableV2", "Assert",
-    "Print", "PrintV2", "RandomUniform", "RandomUniformInt",
-    "RandomStandardNormal", "TruncatedNormal", "ParameterizedTruncatedNormal",
-    "RandomGamma", "RandomPoisson", "RandomPoissonV2", "RandomShuffle",
-    "Multinomial", "StatefulPartitionedCall", "While", "If", "Case",
-    "DummySeedGenerator", "AnonymousSeedGenerator"})
+    "Print", "PrintV2", "StatefulPartitionedCall", "While", "If", "Case"})
 # Not marked stateful, yet they share state across calls.
 _SHARED = frozenset({"Batch", "BatchFunction", "Unbatch", "UnbatchGrad"})
 
@@ -153,15 +153,91 @@ def _op_types(op):
   return [op.type] + _function_ops(op.graph, op.node_def.attr)
 
 
+# Stateful random kernels whose position advances by the number of values
+# drawn, and nothing else: allowed where that number is fixed (below).
+_RANDOM_KERNELS = frozenset({"RandomUniform", "RandomUniformInt",
+                             "RandomStandardNormal", "TruncatedNormal"})
+# Ops through which a shape stays a function of shapes alone.
+_SHAPE_SOURCES = frozenset({"Const", "Shape", "ShapeN", "Size", "Rank"})
+_SHAPE_ARITHMETIC = frozenset({
+    "Identity", "Cast", "StridedSlice", "Slice", "Pack", "Unpack",
+    "ConcatV2", "Squeeze", "ExpandDims", "Add", "AddV2", "Sub", "Mul",
+    "FloorDiv", "Maximum", "Minimum", "Prod", "BroadcastArgs"})
+
+
+def _shape_only(tensor):
+  """True if ``tensor`` is computed from constants and the shapes (not the
+  values) of other tensors."""
+  stack, seen = [tensor.op], set()
+  while stack:
+    op = stack.pop()
+    if op.name in seen or op.type in _SHAPE_SOURCES:
+      continue
+    seen.add(op.name)
+    if op.type not in _SHAPE_ARITHMETIC:
+      return False
+    stack.extend(t.op for t in op.inputs)
+  return True
+
+
+def _fixed_draws(op):
+  """A stateful random kernel run outside any loop or branch (an op of the
+  traced function itself), whose shape does not depend on the data: it
+  draws the same number of values whatever the data (tf_keras' Dropout and
+  GaussianNoise), so its stream's position carries nothing."""
+  return op.type in _RANDOM_KERNELS and bool(op.inputs) and _shape_only(
+      op.inputs[0])
+
+
 def state_effects(ops, allowed=lambda op: False):
   """Names of the ops among ``ops`` (and the functions they call) with an
   effect that could carry one unit's data to another unit or a later step
-  (see ``_carries_state``), except ops ``allowed(op)`` accepts."""
+  (see ``_carries_state``), except ops ``allowed(op)`` accepts and random
+  kernels with a fixed number of draws (``_fixed_draws``)."""
   found = []
   for op in ops:
+    if _fixed_draws(op):
+      continue
     if _carries_state(op.type) and op_def_registry.get(op.type) is not None:
       if not allowed(op):
         found.append(f"{op.name} ({op.type})")
     elif any(_carries_state(t) for t in _op_types(op)):
       found.append(f"{op.name} ({op.type})")
+  return found
+
+
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+
+
+def resolve_handle(tensor):
+  """The eager resource handle a captured graph tensor stands for (through
+  nested captures), or None."""
+  for _ in range(32):
+    if not tf.is_symbolic_tensor(tensor):
+      return tensor
+    external = None
+    for ext, internal in tensor.graph.captures:
+      if internal is tensor:
+        external = ext
+        break
+    if external is None:
+      return None
+    tensor = external
+  return None
+
+
+def foreign_reads(ops, own_handles):
+  """Names of the variable reads among ``ops`` of a variable that is not
+  among ``own_handles``. The model's output may depend on its own weights
+  (post-processing of releases) and on its input, nothing else: a variable
+  written elsewhere from the data (a metric's total, by the logs) read in
+  the forward pass carries it into the gradients without noise (a review:
+  1.8C). Reads this cannot resolve (inside function bodies, distributed
+  variables) are not counted."""
+  found = []
+  for op in ops:
+    if op.type in _READS and op.inputs:
+      handle = resolve_handle(op.inputs[0])
+      if handle is not None and not any(handle is h for h in own_handles):
+        found.append(f"{op.name} ({op.type})")
   return found

@@ -29,6 +29,16 @@ def compiled_loss(model):
   return loss
 
 
+def without_loss_trackers(loss):
+  """A scope in which Keras' compiled loss computes without touching its
+  per-output loss trackers: their values read as zeros (no read of the
+  variables, which the logs write from the batch) and their updates are
+  captured and dropped (a StatelessScope)."""
+  trackers = list(getattr(loss, "variables", None) or [])
+  return keras.StatelessScope(state_mapping=[
+      (v, tf.zeros(v.shape, v.dtype)) for v in trackers])
+
+
 def example_loss_fn(model):
   """``(y_true, y_pred) -> per-example values`` for a single-output model
   compiled with a single loss, or ``None`` (several outputs or losses).

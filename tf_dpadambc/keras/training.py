@@ -69,6 +69,8 @@ class ModelRecord:
       whose model passed :func:`examples_independent` (−1: none). Never
       saved: a restored model is checked again.
     private: True once ``make_private`` installed the train step.
+    last_dp_optimizer: the DP optimizer last compiled into the model (its
+      run composes with the next one's, even across a non-DP compile).
   """
 
   clipping: str = "auto"
@@ -78,6 +80,7 @@ class ModelRecord:
   diagnostics: dict = dataclasses.field(default_factory=dict)
   verified: object = None
   private: bool = False
+  last_dp_optimizer: object = None
 
 
 def _record(model):
@@ -153,7 +156,7 @@ def _unit_losses(model, x, y, sample_weight, num_microbatches):
       # Keras' compiled loss also updates its per-output loss trackers: per
       # unit that is state written from the data (refused by the step's
       # check); the logs stage tracks the batch's losses instead.
-      with keras.StatelessScope():
+      with _compat.without_loss_trackers(compiled_loss):
         return compiled_loss(uy, y_pred, uw)
     values = _per_example_values(example_loss, uy, y_pred)
     return tf.reduce_mean(tf.cast(uw, values.dtype) * values)
@@ -497,6 +500,7 @@ def _plan_stage(model, sample_weight):
   """The DP optimizer, and whether the step runs on several replicas;
   refuses optimizers, strategies and batches the step cannot serve."""
   optimizer = model.optimizer
+  model.__dict__[validation.TRACED_OPTIMIZER] = optimizer  # (trace time)
   if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
     raise TypeError(
         "This model was made private with tf_dpadambc.make_private, but its "
@@ -759,13 +763,20 @@ def _without_loss_scale_optimizer(model):
     model.optimizer = optimizer.inner_optimizer
 
 
-def _continue_accounting(previous, optimizer):
+def _continue_accounting(model, before, optimizer):
   """A model compiled again with a new DP optimizer carries the releases of
-  the previous one in its weights: the new ledger composes that run (a
-  review: recompiled after 3 epochs and fit 1 more, ε 4.73 reported for a
-  model of 10.73)."""
+  the DP optimizer it was last trained with in its weights, whatever was
+  compiled in between: the new ledger composes that run (a review:
+  recompiled after 3 epochs and fit 1 more, ε 4.73 reported for a model of
+  10.73; the same with a non-DP compile in between)."""
   new = ledger.ledger_of(optimizer)
-  if new is None or previous is None or previous is optimizer:
+  if new is None:
+    return
+  record = _record(model)
+  previous = (before if ledger.ledger_of(before) is not None
+              else record.last_dp_optimizer)  # (before: e.g. a loaded one)
+  record.last_dp_optimizer = optimizer
+  if previous is None or previous is optimizer:
     return
   new.follow_run(getattr(previous, "keras_optimizer", previous))
   if new.prior_run is not None:
@@ -784,10 +795,10 @@ def _compile_without_loss_scaling(model):
 
   def compile(*args, **kwargs):  # pylint: disable=redefined-builtin
     kwargs.setdefault("auto_scale_loss", False)
-    previous = getattr(model, "optimizer", None)
+    before = getattr(model, "optimizer", None)
     compile_(*args, **kwargs)
     _without_loss_scale_optimizer(model)
-    _continue_accounting(previous, getattr(model, "optimizer", None))
+    _continue_accounting(model, before, getattr(model, "optimizer", None))
   compile._tf_dpadambc_checked = True  # pylint: disable=protected-access
   compile.__doc__ = compile_.__doc__
   object.__setattr__(model, "compile", compile)

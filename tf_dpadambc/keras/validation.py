@@ -93,13 +93,14 @@ def _check_forward(model, inputs):
 
   spec = tf.nest.map_structure(
       lambda t: tf.TensorSpec([1] + list(t.shape[1:]), t.dtype), inputs)
-  writes = []
+  writes, reads = [], []
   # Both modes: the train step also runs the model in inference mode (its
   # first-step check), and a raw write there would persist.
   for training in (True, False):
     traced = tf.function(lambda p, t=training: trace(p, t), autograph=False
                          ).get_concrete_function(spec).graph
     writes += graph.state_effects(traced.get_operations())
+    reads += graph.foreign_reads(traced.get_operations(), own_handles(model))
     if training:
       model.__dict__[_DRAWS_RANDOM] = graph.draws_random(
           traced.get_operations())
@@ -116,6 +117,37 @@ def _check_forward(model, inputs):
         "it: compute the value from the example itself, or keep the state "
         "out of the training forward pass (update it only when "
         "training=False).")
+  if reads:
+    raise ValueError(_FOREIGN_READS.format(model=model.name,
+                                           ops=", ".join(reads[:3])))
+
+
+_TRACED = {}  # stateless_evaluation's functions, as tf.functions (eager)
+
+_FOREIGN_READS = (
+    "The forward pass of model '{model}' reads variables that are not the "
+    "model's ({ops}). Its output may depend on its weights and its input "
+    "only: a variable written elsewhere from the data (a metric's state, "
+    "updated from the un-noised batch) would carry it into the gradients "
+    "without noise. Make the value a weight of the model (add_weight) or a "
+    "constant.")
+
+
+def own_handles(model):
+  """The resource handles of the model's variables, and of Keras' global
+  SeedGenerator (randomness, not data)."""
+  variables = list(model.variables)
+  seed = keras.src.backend.common.global_state.get_global_attribute(
+      "global_seed_generator")
+  if seed is not None:
+    variables.append(seed.state)
+  handles = []
+  for v in variables:
+    value = getattr(v, "value", v)
+    handle = getattr(value, "handle", None)
+    if handle is not None:
+      handles.append(handle)
+  return handles
 
 
 def stateless_evaluation(function):
@@ -133,11 +165,17 @@ def stateless_evaluation(function):
   @functools.wraps(function)
   def wrapped(*args, **kwargs):
     if tf.executing_eagerly():
-      return function(*args, **kwargs)
+      # run_eagerly=True: still traced, so that the ops are checked (an
+      # eager forward pass escaped the check, and a layer can tell eager
+      # from traced execution: a review, 5C).
+      if wrapped not in _TRACED:
+        _TRACED[wrapped] = tf.function(wrapped, autograph=False)
+      return _TRACED[wrapped](*args, **kwargs)
     traced = tf.compat.v1.get_default_graph()
     start = len(traced.get_operations())
     result = function(*args, **kwargs)
-    effects = graph.state_effects(traced.get_operations()[start:])
+    added = traced.get_operations()[start:]
+    effects = graph.state_effects(added)
     if effects:
       raise ValueError(
           "The private step would run ops that keep state between examples "
@@ -146,6 +184,10 @@ def stateless_evaluation(function):
           "Python carries one example's data to the others and into later "
           "steps without noise. Private training refuses them: remove them "
           "from the model's forward pass and loss.")
+    reads = graph.foreign_reads(added, own_handles(args[0]))
+    if reads:
+      raise ValueError(_FOREIGN_READS.format(model=args[0].name,
+                                             ops=", ".join(reads[:3])))
     return result
   return wrapped
 
@@ -181,7 +223,8 @@ def check_callbacks(callbacks):
   """
   if isinstance(callbacks, keras.callbacks.CallbackList):
     callbacks = callbacks.callbacks
-  for callback in callbacks or ():
+  # Keras flattens nested lists of callbacks: so do we.
+  for callback in tf.nest.flatten(callbacks or []):
     monitor = _acts_on(callback)
     if monitor is None:
       continue
@@ -202,12 +245,35 @@ def check_callbacks(callbacks):
         "validation_data held out from the training data), or remove it.")
 
 
+TRACED_OPTIMIZER = "_tf_dpadambc_traced_optimizer"
+
+
+def check_optimizer_is_traced(model):
+  """Raises ValueError if ``model.optimizer`` was replaced (assigned, not
+  compiled) after the train step was traced: the step would go on with the
+  optimizer it was traced with, while the accounting and the callbacks read
+  ``model.optimizer`` (a review: ε 0 reported for a model that kept
+  training)."""
+  traced = model.__dict__.get(TRACED_OPTIMIZER)
+  if (traced is not None and getattr(model, "train_function", None)
+      is not None and traced is not getattr(model, "optimizer", None)):
+    raise ValueError(
+        f"model.optimizer of '{model.name}' was replaced after its private "
+        f"train step was traced with {traced.name}: the step would keep "
+        "training with that one, while the accounting reads "
+        "model.optimizer. Compile again with the new optimizer "
+        "(model.compile(optimizer=...)); its ε then includes the earlier "
+        "run.")
+
+
 def refuse_log_driven_callbacks(model):
-  """Wraps ``model.fit`` so that :func:`check_callbacks` runs first."""
+  """Wraps ``model.fit`` so that :func:`check_callbacks` (and
+  :func:`check_optimizer_is_traced`) run first."""
   fit = model.fit
   signature = inspect.signature(type(model).fit)
 
   def fit_with_checked_callbacks(*args, **kwargs):
+    check_optimizer_is_traced(model)
     check_callbacks(signature.bind(model, *args, **kwargs).arguments.get(
         "callbacks"))
     return fit(*args, **kwargs)

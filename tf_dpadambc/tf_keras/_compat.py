@@ -199,20 +199,7 @@ def compiled_loss_fn(model, y, sample_weight):
 
 
 # -------------------------------------------- guards of per-unit evaluation
-def _resolve_handle(tensor):
-  """The eager resource handle a captured graph tensor stands for, or None."""
-  for _ in range(32):
-    if not tf.is_symbolic_tensor(tensor):
-      return tensor
-    external = None
-    for ext, internal in tensor.graph.captures:
-      if internal is tensor:
-        external = ext
-        break
-    if external is None:
-      return None
-    tensor = external
-  return None
+_resolve_handle = graph.resolve_handle
 
 
 def _seed_state_handles(model):
