@@ -948,3 +948,25 @@ def test_run_eagerly_still_evaluates_the_model_traced():
   x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
   model.fit(x, np.zeros(B, "int32"), batch_size=B, epochs=2, verbose=0)
   assert float(layer.store.numpy()) == 0.0  # never run eagerly in the step
+
+
+class _ReadsAMetricInABranch(_ReadsAMetric):
+  """The same read inside a tf.cond branch (a function the step calls)."""
+
+  def call(self, inputs):
+    total = tf.cond(tf.constant(True),
+                    lambda: tf.convert_to_tensor(self.metric.variables[0]),
+                    lambda: tf.constant(0.0))
+    return inputs * tf.sign(tf.sin(total * 10.0) + 1e-3)
+
+
+def test_a_foreign_variable_read_inside_a_branch_is_refused():
+  inputs = keras.Input((T, P))
+  metric = keras.metrics.MeanAbsoluteError()
+  model = dp.make_private(keras.Model(inputs, _head(_ReadsAMetricInABranch(
+      metric)(inputs))))
+  model.compile(optimizer=dp.DPSGD(C, 0.0, learning_rate=1.0), loss=LOSS,
+                metrics=[metric], jit_compile=False)
+  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
+  with pytest.raises(ValueError, match="not the model's"):
+    model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)

@@ -206,8 +206,6 @@ def state_effects(ops, allowed=lambda op: False):
   return found
 
 
-_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
-
 
 def resolve_handle(tensor):
   """The eager resource handle a captured graph tensor stands for (through
@@ -226,18 +224,34 @@ def resolve_handle(tensor):
   return None
 
 
+def _is_variable(handle):
+  """True if the eager resource ``handle`` is a variable's (not a lookup
+  table's or another resource's)."""
+  try:
+    with tf.init_scope():
+      tf.raw_ops.VariableShape(input=handle)
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
 def foreign_reads(ops, own_handles):
-  """Names of the variable reads among ``ops`` of a variable that is not
-  among ``own_handles``. The model's output may depend on its own weights
+  """Names of the ops among ``ops`` that take a variable that is not among
+  ``own_handles`` (a read, or a call, branch or loop that gets it as an
+  argument). The model's output may depend on its own weights
   (post-processing of releases) and on its input, nothing else: a variable
   written elsewhere from the data (a metric's total, by the logs) read in
   the forward pass carries it into the gradients without noise (a review:
-  1.8C). Reads this cannot resolve (inside function bodies, distributed
-  variables) are not counted."""
+  1.8C). Handles this cannot resolve (distributed variables) are not
+  counted."""
   found = []
   for op in ops:
-    if op.type in _READS and op.inputs:
-      handle = resolve_handle(op.inputs[0])
-      if handle is not None and not any(handle is h for h in own_handles):
+    for tensor in op.inputs:
+      if tensor.dtype != tf.resource:
+        continue
+      handle = resolve_handle(tensor)
+      if (handle is not None and not any(handle is h for h in own_handles)
+          and _is_variable(handle)):
         found.append(f"{op.name} ({op.type})")
+        break
   return found

@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import types
+import weakref
 
 import keras
 import tensorflow as tf
@@ -500,7 +501,9 @@ def _plan_stage(model, sample_weight):
   """The DP optimizer, and whether the step runs on several replicas;
   refuses optimizers, strategies and batches the step cannot serve."""
   optimizer = model.optimizer
-  model.__dict__[validation.TRACED_OPTIMIZER] = optimizer  # (trace time)
+  # (At trace time; a weak reference: Keras' saving walks the model's
+  # attributes, and would save the optimizer under this name.)
+  model.__dict__[validation.TRACED_OPTIMIZER] = weakref.ref(optimizer)
   if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
     raise TypeError(
         "This model was made private with tf_dpadambc.make_private, but its "

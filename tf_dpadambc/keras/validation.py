@@ -255,6 +255,7 @@ def check_optimizer_is_traced(model):
   ``model.optimizer`` (a review: ε 0 reported for a model that kept
   training)."""
   traced = model.__dict__.get(TRACED_OPTIMIZER)
+  traced = traced() if traced is not None else None
   if (traced is not None and getattr(model, "train_function", None)
       is not None and traced is not getattr(model, "optimizer", None)):
     raise ValueError(
