@@ -532,18 +532,25 @@ class AccountingLedger:
     before = ledger_of(previous)
     if before is None or previous is self._optimizer:
       return
-    batches = (before.state().prior_batches + before.position()
-               if getattr(previous, "built", False) else 0)
+    own = before.position() if getattr(previous, "built", False) else 0
+    if not own and before.prior_run is not None:
+      # It released nothing (compiled, never fit): continue what it did.
+      self.follow_run(before.prior_run)
+      return
+    batches = before.state().prior_batches + own
     if not batches:
       return
-    self.prior_run = previous
+    if own:
+      self.prior_run = previous
     self._update(lambda s, _: setattr(s, "prior_batches", batches))
 
   def unaccounted_prior_batches(self):
     """Physical batches of earlier runs of the model (recorded before a
-    save) that this process cannot account: 0 when there are none, or when
-    :attr:`prior_run` is known."""
-    return 0 if self.prior_run is not None else self.state().prior_batches
+    save) that this process cannot account: those of the runs before the
+    first one :attr:`prior_run`'s chain still knows (0 if none)."""
+    if self.prior_run is None:
+      return self.state().prior_batches
+    return ledger_of(self.prior_run).unaccounted_prior_batches()
 
   def record_poisson_examples(self, num_examples):
     """fit is about to train on Poisson batches sampled from N examples."""

@@ -15,6 +15,7 @@ These functions find them in a graph, including the functions its nodes call
 """
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
+
 _WRITES = frozenset({
     "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
     "ResourceStridedSliceAssign", "Assign", "AssignAdd", "AssignSub",
@@ -84,22 +85,6 @@ def draws_random(ops):
       if any(mark in op_type for mark in _RANDOM_MARKS):
         return True
   return False
-
-
-
-
-def variable_writes(ops, allowed=lambda op: False):
-  """Names of the ops among ``ops`` (and the functions they call) that write
-  a variable, except those ``allowed(op)`` accepts."""
-  found = []
-  for op in ops:
-    if _writes_variable(op.type):
-      if not allowed(op):
-        found.append(op.name)
-    elif any(_writes_variable(t) for t in _function_ops(op.graph,
-                                                        op.node_def.attr)):
-      found.append(op.name)
-  return found
 
 
 _PYTHON_OPS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
@@ -204,7 +189,6 @@ def state_effects(ops, allowed=lambda op: False):
     elif any(_carries_state(t) for t in _op_types(op)):
       found.append(f"{op.name} ({op.type})")
   return found
-
 
 
 def resolve_handle(tensor):

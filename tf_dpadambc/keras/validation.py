@@ -1,6 +1,5 @@
 """Refuse models whose training cannot be made private per example, and
 callbacks that would act on the un-noised training logs."""
-import contextlib
 import functools
 import inspect
 
