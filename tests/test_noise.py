@@ -16,14 +16,17 @@ def _xla(fn, *args):
   return tf.function(fn, jit_compile=True)(*args)
 
 
-def test_sincos_within_1e7_on_every_angle_drawn():
-  """Exhaustive over the 2²⁴ angles u₂ = k·2⁻²⁴ the sampler uses."""
-  u = tf.range(2**24, dtype=tf.float32) * 2.0**-24
+def test_sincos_within_1e7_and_never_zero_on_every_angle_drawn():
+  """Exhaustive over the 2²³ angles u₂ = (k + ½)·2⁻²³ the sampler uses:
+  within 1e-7 of sin and cos, and never exactly 0 (a zero would release a
+  clipped sum's coordinate without noise)."""
+  u = (tf.range(2**23, dtype=tf.float32) + 0.5) * 2.0**-23
   sin, cos = _xla(noise._sincos_2pi, u)  # pylint: disable=protected-access
   theta = 2 * np.pi * u.numpy().astype(np.float64)
   assert np.abs(sin.numpy() - np.sin(theta)).max() < 1e-7
   assert np.abs(cos.numpy() - np.cos(theta)).max() < 1e-7
   assert np.abs(sin.numpy()).max() <= 1.0 and np.abs(cos.numpy()).max() <= 1.0
+  assert np.abs(sin.numpy()).min() > 0 and np.abs(cos.numpy()).min() > 0
 
 
 def test_standard_normal_moments_tails_and_ks():
@@ -59,21 +62,31 @@ def test_standard_normal_is_box_muller_of_its_philox_words():
       [2, (n + 1) // 2], seed=SEED, minval=None, maxval=None,
       dtype=tf.uint32, alg="philox").numpy().astype(np.float64)
   u1 = (words[0] + 0.5) * 2.0**-32
-  u2 = np.floor(words[1] / 2**8) * 2.0**-24
+  u2 = (np.floor(words[1] / 2**9) + 0.5) * 2.0**-23
   r = np.sqrt(-2 * np.log(u1))
   want = np.concatenate([r * np.sin(2 * np.pi * u2),
                          r * np.cos(2 * np.pi * u2)])[:n]
   np.testing.assert_allclose(z, want, rtol=0, atol=1e-5)
 
 
-def test_radius_is_not_clamped():
-  """u₁ = (w + ½)·2⁻³² > 0: no atom at a clamped radius; the largest radius
-  is √(2·33·ln 2) ≈ 6.76 (at u₁ = 2⁻³³)."""
-  words = tf.constant([0, 1, 2**31, 2**32 - 1], tf.uint32)
-  u1 = (tf.cast(words, tf.float32) + 0.5) * 2.0**-32
-  radius = tf.sqrt(-2.0 * tf.math.log(u1)).numpy()
-  assert np.isfinite(radius).all() and radius.min() >= 0
-  np.testing.assert_allclose(radius[0], math.sqrt(2 * 33 * math.log(2)),
+def test_radius_is_neither_clamped_nor_zero():
+  """u₁ = (w + ½)·2⁻³² ∈ (0, 1): no atom at a clamped radius (the largest
+  is √(2·33·ln 2) ≈ 6.76, at u₁ = 2⁻³³), and no zero radius where u₁
+  rounds to 1 in float32 (the top 128 words: capped below 1). Against
+  float64 logarithms of the exact uniforms, eagerly and under XLA."""
+  words = np.array([0, 1, 2**20, 2**31 - 1, 2**31, 2**32 - 385,
+                    2**32 - 129, 2**32 - 128, 2**32 - 1], np.uint64)
+  exact = np.sqrt(-2 * np.log1p((words.astype(np.float64) + 0.5) * 2.0**-32
+                                - 1))
+  for log_u in (noise._log_uniform(tf.constant(words, tf.uint32)),  # pylint: disable=protected-access
+                _xla(noise._log_uniform, tf.constant(words, tf.uint32))):  # pylint: disable=protected-access
+    radius = np.sqrt(-2.0 * log_u.numpy().astype(np.float64))
+    assert np.isfinite(radius).all() and radius.min() >= 3.4e-4
+    np.testing.assert_allclose(radius[:5], exact[:5], rtol=1e-6)
+    # Near 1 the float32 uniform is within 2⁻²⁴ of u₁: r² = −2 ln u₁ within
+    # about 2·2⁻²⁴ of the exact (the capped top words included).
+    assert np.abs(radius[5:]**2 - exact[5:]**2).max() <= 2 * 2.0**-23
+  np.testing.assert_allclose(exact[0], math.sqrt(2 * 33 * math.log(2)),
                              rtol=1e-6)
 
 
