@@ -2,9 +2,11 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_dpadambc as dp
 from tf_dpadambc.core import clipping
+from tf_dpadambc.core import per_example
 from tests.conftest import drive
 
 C, SIGMA, B = 0.5, 1.3, 32
@@ -227,3 +229,19 @@ def test_apply_private_takes_only_a_clipped_sum():
   opt.apply_private(clipping.assume_clipped([np.zeros(3, "float32")]), 1, 1,
                     [var])
   assert opt.steps_taken == 1
+
+
+def test_apply_per_unit_takes_only_per_unit_gradients():
+  # Rows of a batched jacobian are per-example only if the model never
+  # mixes examples (a review: a lag-feature model's jacobian rows fed to
+  # apply_per_unit moved the weights by 3C/B for a bound of 2C/B).
+  var = keras.Variable(np.zeros(3, "float32"))
+  opt = dp.DPSGD(1.0, 0.0, learning_rate=1.0)
+  rows = [tf.constant([[1e4, 0.0, 0.0], [0.0, 3.0, 4.0]])]
+  with pytest.raises(TypeError, match="assume_per_unit"):
+    opt.apply_per_unit(rows, 2, 2, [var])
+  assert opt.steps_taken == 0
+  np.testing.assert_array_equal(var.numpy(), np.zeros(3))
+  opt.apply_per_unit(per_example.assume_per_unit(rows), 2, 2, [var])
+  # Each row clipped to C = 1, summed, divided by B = 2 (σ = 0, lr = 1).
+  np.testing.assert_allclose(var.numpy(), [-0.5, -0.3, -0.4], rtol=1e-6)

@@ -18,6 +18,7 @@ from tf_dpadambc import queries
 from tf_dpadambc import tf_privacy
 from tf_dpadambc.accounting import epsilon as epsilon_lib
 from tf_dpadambc.core import clipping
+from tf_dpadambc.core import per_example
 from tf_dpadambc.accounting import events
 
 needs_tfp = pytest.mark.skipif(not tf_privacy.available(),
@@ -78,8 +79,9 @@ def _noise_std_of_step(query, num_units=32, dim=20000):
   """The std of one update of DPSGD(lr=1) from zero per-unit gradients."""
   optimizer = tf_dpadambc.DPSGD(query=query, learning_rate=1.0)
   variable = keras.Variable(np.zeros(dim, "float32"))
-  optimizer.apply_per_unit([tf.zeros([num_units, dim])], num_units,
-                           num_units, [variable])
+  optimizer.apply_per_unit(
+      per_example.assume_per_unit([tf.zeros([num_units, dim])]), num_units,
+      num_units, [variable])
   return float(np.std(variable.numpy())), optimizer
 
 

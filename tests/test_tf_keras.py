@@ -640,6 +640,29 @@ def test_fused_batch_norm_in_a_traced_custom_step_is_refused():
     step(tf.zeros([4, 6, 6, 1]), tf.zeros([4], tf.int32))
 
 
+def test_layer_normalization_on_sequences_trains_in_a_traced_fit():
+  # tf_keras' LayerNormalization of a 3-D input runs the fused batch-norm
+  # kernel on [1, rows, features, 1] (per-row statistics): it was refused
+  # as batch normalization. It trains as the per-example reference.
+  tf_keras.utils.set_random_seed(3)
+  model = tf_keras.Sequential([
+      tf_keras.layers.Dense(4, input_shape=(3, 4)),
+      tf_keras.layers.LayerNormalization(),
+      tf_keras.layers.Flatten(), tf_keras.layers.Dense(3)])
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(8, 3, 4)).astype("float32")
+  y = rng.integers(0, 3, size=8).astype("int32")
+  clip, lr = 0.3, 1.0
+  want = [w - lr * s / len(x) for w, s in zip(
+      [v.numpy() for v in model.trainable_variables],
+      _clipped_sum(_unit_gradients(model, x, y, None), clip))]
+  optimizer = _quiet(dptk.DPSGD, clip, 0.0, learning_rate=lr)
+  model.compile(optimizer=optimizer, loss=LOSS)
+  _quiet(model.fit, x, y, batch_size=8, epochs=1, verbose=0)
+  for got, expected in zip(model.trainable_variables, want):
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
 def test_apply_gradients_is_refused():
   model = _mlp()
   optimizer = dptk.DPKerasAdamOptimizer(1.0, 1.0)
@@ -1071,3 +1094,127 @@ def test_a_slice_of_each_units_own_length_loops_over_units(jit):
   optimizer = _sgd_step(model, x, y, None, clip, 0.5, jit_compile=jit)
   assert optimizer.per_unit_plan == "loop"
   _assert_sgd_formula(model, init, unit_grads, clip, 0.5)
+
+
+# ----------------------------------- a loss that reads beyond its unit
+class _OuterBatchStep(tf_keras.Sequential):
+  """A custom train_step whose loss_fn reads the outer batch's x or y
+  (``closure``), or x through a tf.function it calls, instead of its
+  argument's: every unit then gets the batch's gradient (a review: 8 C/B
+  at B = 8)."""
+  closure = None
+
+  def unit_loss(self, x, y):
+    outer_x = tf.function(lambda: x)
+
+    def loss_fn(batch):
+      bx, by = batch
+      if self.closure == "x":
+        bx = x
+      elif self.closure == "y":
+        by = y
+      elif self.closure == "x through a call":
+        bx = bx + 0.0 * tf.reduce_sum(outer_x())
+      return _MSE(by, self(bx, training=True))
+    return loss_fn
+
+  def train_step(self, data):
+    x, y = data
+    losses = self.optimizer.minimize_per_unit(
+        self.unit_loss(x, y), (x, y), self.trainable_variables)
+    return {"loss": tf.reduce_mean(losses)}
+
+
+
+def _outer_batch_model(closure):
+  tf_keras.utils.set_random_seed(0)
+  # Normalization holds its statistics as eager tensors: the model's own
+  # constants, read from outside the unit function, accepted.
+  model = _OuterBatchStep([
+      tf_keras.layers.Normalization(mean=[0.5] * 4, variance=[2.0] * 4,
+                                    input_shape=(4,)),
+      tf_keras.layers.Dense(5, activation="tanh"), tf_keras.layers.Dense(3)])
+  model.closure = closure
+  return model
+
+
+def _outer_batch_step(model, path, x, y, clip, lr):
+  """One step of minimize_per_unit by ``path``; returns the optimizer."""
+  optimizer = _quiet(dptk.DPSGD, clip, 0.0, learning_rate=lr)
+  if path == "eager loop":
+    batch = (tf.constant(x), tf.constant(y))
+    _quiet(optimizer.minimize_per_unit, model.unit_loss(*batch), batch,
+           model.trainable_variables)
+  else:
+    model.compile(optimizer=optimizer)
+    _quiet(model.fit, x, y, batch_size=len(x), shuffle=False, verbose=0)
+  return optimizer
+
+
+@pytest.mark.parametrize("path", ["fit", "fit, looped", "eager loop"])
+@pytest.mark.parametrize("closure", ["x", "y", "x through a call"])
+def test_a_loss_fn_that_reads_the_outer_batch_is_refused(closure, path,
+                                                         monkeypatch):
+  """Refused when traced, before any weight moves: in fit's traced step (the
+  batch comes from the iterator), with tf.map_fn over units (a loop body
+  that captures it), and called eagerly (captured from eager). The same
+  step reading its argument is the reference formula."""
+  if path == "fit, looped":
+    def fail(*args, **kwargs):
+      raise ValueError("no vectorization rule (simulated)")
+    monkeypatch.setattr(tf, "vectorized_map", fail)
+  x, _ = _data(8)
+  y = np.random.default_rng(1).normal(size=(8, 3)).astype("float32")
+  model = _outer_batch_model(closure)
+  init = [w.numpy() for w in model.trainable_variables]
+  with pytest.raises(ValueError, match="reads data other than that unit's"
+                     "[\\s\\S]*bounds no example's influence"):
+    _outer_batch_step(model, path, x, y, 0.2, 0.3)
+  for w, w0 in zip(model.trainable_variables, init):
+    np.testing.assert_array_equal(w.numpy(), w0)
+
+  model = _outer_batch_model(None)
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = []
+  for xu, yu in zip(x, y):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_MSE(yu[None], model(xu[None], training=True)))
+    unit_grads.append([g.numpy() for g in
+                       tape.gradient(loss, model.trainable_variables)])
+  optimizer = _outer_batch_step(model, path, x, y, 0.2, 0.3)
+  assert optimizer.per_unit_plan == (
+      "loop" if path == "fit, looped" else "vectorized") + (
+          " (minimize_per_unit)")
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
+
+
+def test_a_tensor_captured_from_eager_is_refused_one_made_in_loss_fn_is_not():
+  """Class weights made eagerly outside loss_fn are captured like an eager
+  batch would be (they cannot be told apart): refused, with the fix in the
+  message. Made inside loss_fn they are a constant of the step: trained."""
+  x, y = _data(8)
+  class_weights = np.array([1.0, 2.0, 0.5], "float32")
+  outside = tf.constant(class_weights)
+  model = _mlp()
+  init = [w.numpy() for w in model.trainable_variables]
+  optimizer = _quiet(dptk.DPSGD, 0.2, 0.0, learning_rate=0.3)
+
+  def captured(batch):
+    return tf.gather(outside, batch[1]) * LOSS(
+        batch[1], model(batch[0], training=True))
+
+  def made_inside(batch):
+    return tf.gather(tf.constant(class_weights), batch[1]) * LOSS(
+        batch[1], model(batch[0], training=True))
+
+  with pytest.raises(ValueError, match="float32\\[3\\] tensor captured from "
+                     "eager[\\s\\S]*create it inside loss_fn"):
+    optimizer.minimize_per_unit(captured, (x, y), model.trainable_variables)
+  assert optimizer.steps_taken == 0
+  for w, w0 in zip(model.trainable_variables, init):
+    np.testing.assert_array_equal(w.numpy(), w0)
+
+  unit_grads = _weighted_unit_gradients(model, x, y, class_weights[y], 8)
+  optimizer.minimize_per_unit(made_inside, (x, y), model.trainable_variables)
+  assert optimizer.steps_taken == 1
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)

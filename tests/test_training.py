@@ -57,6 +57,45 @@ def test_batch_normalization_is_refused():
     dp.make_private(model)
 
 
+class _OwnLoss(keras.Model):
+  """A subclass whose loss lives in compute_loss (as KerasHub's contrastive
+  and detection tasks do)."""
+
+  def __init__(self):
+    super().__init__()
+    self.dense = keras.layers.Dense(K)
+
+  def call(self, x):
+    return self.dense(x)
+
+  def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                   training=True):
+    return keras.ops.mean(keras.ops.square(y_pred)) * 10.0
+
+
+class _OwnStep(_OwnLoss):
+  compute_loss = keras.Model.compute_loss
+
+  def train_step(self, data):
+    raise AssertionError("never runs under make_private")
+
+
+@pytest.mark.parametrize("cls, name", [(_OwnLoss, "compute_loss"),
+                                       (_OwnStep, "train_step")])
+def test_overridden_loss_or_step_is_refused_not_ignored(cls, name):
+  # The private step evaluates the compiled loss per example: the user's
+  # compute_loss or train_step would silently not run.
+  model = cls()
+  with pytest.raises(ValueError, match=f"{cls.__name__}.{name} is overridden"):
+    dp.make_private(model)
+  x, y = _data()
+  model(x[:2])
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0), loss=_loss())
+  from tf_dpadambc.keras import custom_loop  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="is overridden"):
+    custom_loop.private_step(model, (x[:8], y[:8]))
+
+
 def test_microbatches_not_dividing_the_batch_raise():
   x, y = _data()
   model = dp.make_private(_model())

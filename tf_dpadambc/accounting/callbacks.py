@@ -18,8 +18,8 @@ def run_sampling(optimizer, sampling=None):
   would not be that run's guarantee (ValueError). Other values (``"cyclic"``
   with correlated noise) pass through to ``dp_event``.
   """
-  poisson = getattr(optimizer, "expected_batch_size", None) is not None
-  inner = getattr(optimizer, "keras_optimizer", optimizer)
+  inner = getattr(optimizer, "keras_optimizer", optimizer)  # (tf_keras)
+  poisson = getattr(inner, "expected_batch_size", None) is not None
   if poisson and getattr(inner, "is_correlated", False):
     # Banded DP-MF on Poisson batches: only the amplified (cyclic Poisson)
     # ε can hold, and dp_event gives it only where the ledger verified it.

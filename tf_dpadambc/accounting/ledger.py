@@ -678,7 +678,7 @@ def track_fit(model):
     except TypeError:
       return fit(*args, **kwargs)  # let Keras report the bad call
     arguments = bound.arguments
-    _check_poisson_data(getattr(model, "optimizer", None),
+    check_poisson_data(getattr(model, "optimizer", None),
                         arguments.get("x"))
     steps_per_epoch = arguments.get("steps_per_epoch")
     finite = _finite(arguments.get("x"))
@@ -714,7 +714,7 @@ def track_fit(model):
   object.__setattr__(model, "fit", tracked_fit)
 
 
-def _check_poisson_data(optimizer, x):
+def check_poisson_data(optimizer, x):
   """A Poisson optimizer (``expected_batch_size`` B, whose ε assumes every
   example joined every step independently with probability B/N) takes the
   batches of ``data.poisson_batches`` (or ``cyclic_poisson_batches``) of

@@ -239,3 +239,87 @@ def foreign_reads(ops, own_handles):
         found.append(f"{op.name} ({op.type})")
         break
   return found
+
+
+
+def _captures(graph, cache):
+  """{id(internal): external} of ``graph``'s captures (placeholders, and
+  small eager tensors captured as constants), cached in ``cache``."""
+  if id(graph) not in cache:
+    cache[id(graph)] = {id(internal): external for external, internal
+                        in getattr(graph, "captures", ())}
+  return cache[id(graph)]
+
+
+def _key(tensor):
+  return id(tensor.graph), tensor.name
+
+
+def _outside_source(tensor, data, held, seen, cache):
+  """What in ``tensor``'s ancestry (through captures into enclosing graphs)
+  is data, or None if it comes from constants, resources (variables) and
+  the eager tensors ``held`` (ids) only."""
+  stack = [tensor]
+  while stack:
+    tensor = stack.pop()
+    if not tf.is_symbolic_tensor(tensor):  # captured from eager
+      if tensor.dtype == tf.resource or id(tensor) in held:
+        continue  # a variable's (or table's) handle, a model's constant
+      return (f"a {tensor.dtype.name}{list(tensor.shape)} tensor captured "
+              "from eager, not held by the model")
+    if _key(tensor) in data:
+      return "the batch"
+    op = tensor.op
+    if id(op) in seen:
+      continue
+    seen.add(id(op))
+    external = _captures(tensor.graph, cache).get(id(tensor))
+    if external is not None:
+      stack.append(external)
+    elif op.type in ("Placeholder", "PlaceholderV2"):
+      if tensor.dtype != tf.resource:  # (an iterator is refused where read)
+        return "an input of the traced function"
+    elif any(_carries_state(t) for t in _op_types(op)):
+      # An iterator's next element, a random draw, Python, a queue, ...
+      return f"{op.name} ({op.type})"
+    else:
+      stack.extend(op.inputs)
+  return None
+
+
+def outside_data(ops, own, data, held=()):
+  """What the ops ``ops`` (one unit's traced function) read from outside
+  themselves that is neither ``own`` (the unit's own tensors) nor computed
+  from constants, resources (variables, tables) and the eager tensors
+  ``held`` (a model's) alone: ``data`` (the batch's tensors) or what
+  derives from it, an input of the traced function (a train step's batch),
+  another tensor captured from eager, or a stateful op's output (an
+  iterator's next element, a stateful random draw, Python). Followed through
+  captures into enclosing graphs, and through the inputs of calls, whose
+  functions are looked into. Captures made during the trace (placeholders,
+  small eager tensors as constants) are among ``ops`` but come from outside.
+  A list of "op reads tensor (source)" (or "capture (source)").
+
+  A NumPy array (or Python value) becomes a constant of the trace: it cannot
+  be told apart from the model's constants, and is not found.
+  """
+  inside = {id(op) for op in ops}
+  own = {_key(t) for t in own}
+  data = {_key(t) for t in data}
+  held = {id(t) for t in held}
+  found, seen, checked, cache = [], set(), set(), {}
+  for op in ops:
+    reads = [t for t in op.inputs
+             if id(t.op) not in inside and _key(t) not in own]
+    if op.type in ("Placeholder", "PlaceholderV2", "Const"):
+      reads += [t for t in op.outputs
+                if op.type != "Const" or id(t) in _captures(t.graph, cache)]
+    for tensor in reads:
+      if _key(tensor) in checked:
+        continue
+      checked.add(_key(tensor))
+      source = _outside_source(tensor, data, held, seen, cache)
+      if source is not None:
+        found.append(f"{tensor.name} ({source})" if tensor.op is op else
+                     f"{op.name} ({op.type}) reads {tensor.name} ({source})")
+  return found

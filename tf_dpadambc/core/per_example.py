@@ -83,6 +83,28 @@ def quiet_failed_conversions():
     logger.removeFilter(quiet)
 
 
+class PerUnitGradients(list):
+  """Per-unit gradients g_u (a list of [U, ...] tensors, one per variable),
+  each computed from its own unit's examples alone.
+
+  ``DPOptimizer.apply_per_unit`` clips and releases only these: what
+  ``tf_dpadambc.keras.training.per_unit_gradients`` and the tf_keras
+  adapter's per-unit evaluation return, or :func:`assume_per_unit` where
+  the caller vouches for them. Rows of a batched jacobian are per-example
+  only if the model never mixes examples (a lag feature, a batch
+  statistic): a review fed them to apply_per_unit and moved the weights by
+  3C/B for a bound of 2C/B. A list, so it reads as one.
+  """
+
+
+def assume_per_unit(grads):
+  """:class:`PerUnitGradients` of gradients the caller vouches for: row u
+  of each tensor depends on unit u's examples only (e.g. evaluated one unit
+  at a time, or the jacobian of a model that provably never mixes
+  examples). The caller saying so by name, as ``clipping.assume_clipped``."""
+  return PerUnitGradients(grads)
+
+
 def split_microbatches(batch, num_microbatches):
   """Reshapes every tensor of ``batch`` from ``[B, ...]`` to ``[M, B/M, ...]``.
 

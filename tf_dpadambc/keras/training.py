@@ -191,7 +191,8 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   Each unit (example or microbatch) is evaluated alone under
   ``tf.vectorized_map``, so examples cannot mix. Returns ``(grads,
   unit_losses [U], y_pred)`` with ``grads[j]`` shaped ``[U, *var_j.shape]``
-  (what a DPQuery's ``preprocess_record`` takes, one unit at a time).
+  (what a DPQuery's ``preprocess_record`` takes, one unit at a time), a
+  ``per_example.PerUnitGradients`` (what ``apply_per_unit`` takes).
   """
   params, _, _, _, unit_loss_fn, units = _unit_losses(
       model, x, y, sample_weight, num_microbatches)
@@ -199,7 +200,8 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
       per_example.loss_scale(loss_scale(model)):
     grads, losses, y_pred = per_example.per_unit_gradients(
         unit_loss_fn, params, units)
-  return grads, losses, per_example.merge_microbatches(y_pred)
+  return (per_example.PerUnitGradients(grads), losses,
+          per_example.merge_microbatches(y_pred))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -807,6 +809,24 @@ def _compile_without_loss_scaling(model):
   object.__setattr__(model, "compile", compile)
 
 
+def check_overrides(model):
+  """Raises ValueError if the model's class overrides ``train_step`` or
+  ``compute_loss``: the private step replaces the first and evaluates the
+  compiled loss on each unit instead of the second, so the user's code
+  would silently not run (a review: a custom loss ignored without a word;
+  KerasHub's contrastive and detection tasks override compute_loss)."""
+  for name in ("train_step", "compute_loss"):
+    if getattr(type(model), name) is not getattr(keras.Model, name):
+      raise ValueError(
+          f"{type(model).__name__}.{name} is overridden, and private "
+          f"training would not run it: its step clips the gradient of the "
+          f"compiled loss (compile(loss=...)) of each example evaluated "
+          f"alone. Express the loss as a per-example compiled loss (a "
+          f"function or keras.losses.Loss of (y_true, y_pred); per-example "
+          f"penalties from the model go through layer.add_loss), and remove "
+          f"the {name} override.")
+
+
 def make_private(model, clipping="auto", loss_scale=None):
   """Gives a Keras 3 model a differentially private train step; returns it.
 
@@ -850,7 +870,8 @@ def make_private(model, clipping="auto", loss_scale=None):
 
   Call it again after ``keras.models.load_model``: the train step is not
   saved with the model. Raises ``ValueError`` for layers that mix examples
-  (BatchNormalization).
+  (BatchNormalization), and for a model class that overrides ``train_step``
+  or ``compute_loss`` (:func:`check_overrides`: they would not run).
   """
   if not isinstance(model, keras.Model):
     raise TypeError(f"make_private expects a keras.Model; got {type(model)}.")
@@ -858,6 +879,7 @@ def make_private(model, clipping="auto", loss_scale=None):
     raise ValueError("tf_dpadambc requires the TensorFlow backend of Keras 3 "
                      "(KERAS_BACKEND=tensorflow).")
   validation.check_model(model)
+  check_overrides(model)
   if clipping not in _METHODS:
     raise ValueError(f"clipping={clipping!r}: use one of {_METHODS}.")
   record = _record(model)

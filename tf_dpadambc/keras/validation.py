@@ -4,6 +4,7 @@ import functools
 import inspect
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dpadambc.core import graph
@@ -15,7 +16,8 @@ _CROSS_EXAMPLE_LAYERS = (keras.layers.BatchNormalization,)
 
 
 def check_model(model):
-  """Raises ValueError for layers that break per-example sensitivity.
+  """Raises ValueError for layers that break per-example sensitivity, and
+  for preprocessing layers adapted on data (:func:`adapted_preprocessing`).
 
   Mixed precision is supported (``make_private``: float32 variables, norms,
   clipping and noise; a static loss scale under float16).
@@ -40,6 +42,96 @@ def check_model(model):
           "clipping or noise. Private training evaluates each example on its "
           "own and cannot keep such state. Use stateful=False (pass the "
           "context as input features instead).")
+    adapted = adapted_preprocessing(layer)
+    if adapted is not None:
+      raise ValueError(adapted)
+
+
+def adapted_preprocessing(layer):
+  """The refusal of a preprocessing layer whose state ``adapt()`` computed
+  from data (a message), or None.
+
+  ``adapt()`` reads every raw example, without clipping or noise, and the
+  statistics it computes (a mean and variance, bin boundaries, a vocabulary)
+  are saved with the model, which the guarantee covers (a review: one
+  outlier moved a saved Normalization mean by |x|/N at any σ). The same
+  values passed to the constructor (public statistics) are allowed, and so
+  is a layer never adapted (it fails when used). Keras 3 and tf_keras
+  layers, by their attributes: ``Normalization`` (no ``mean`` given, and its
+  ``adapt_mean``/``adapt_variance`` moved from 0/1), ``Discretization``
+  (``num_bins`` given, and bin boundaries or a quantile summary computed),
+  ``StringLookup``/``IntegerLookup``/``TextVectorization`` (no
+  ``vocabulary`` given, and a vocabulary, token counts or document counts
+  learned), ``FeatureSpace`` (by its preprocessors), and
+  tf_keras' ``is_adapted``. Any other class with ``adapt`` is refused unless
+  tf_keras says it was not adapted: what its adapt() writes is unknown.
+  """
+  if not callable(getattr(layer, "adapt", None)):
+    return None
+  # The values now, also when called while a train step is traced.
+  with tf.init_scope():
+    preprocessors = getattr(layer, "preprocessors", None)
+    if hasattr(preprocessors, "values"):  # a FeatureSpace: adapts these
+      for preprocessor in preprocessors.values():
+        adapted = adapted_preprocessing(preprocessor)
+        if adapted is not None:
+          return adapted
+      return None
+    try:
+      stats, argument, held = _adapt_state(layer)
+    except Exception:  # pylint: disable=broad-except
+      # Internals this release does not have: cannot tell, so refuse.
+      stats, argument, held = _UNKNOWN, None, True
+  if not held and getattr(layer, "is_adapted", None) is not True:
+    return None
+  name = type(layer).__name__
+  fix = (f"pass them to the constructor ({name}({argument}))" if argument
+         else "set them without adapt(), in a layer that takes them as "
+         "constructor arguments")
+  return (
+      f"Layer '{layer.name}' ({name}) holds {stats}. adapt() reads every "
+      "raw example without clipping or noise, and its statistics are saved "
+      "with the model, so they would reveal individual training examples "
+      "beyond the ε reported. Compute the statistics on public data (or "
+      f"with a differentially private mechanism) and {fix}, or preprocess "
+      "the data outside the model.")
+
+
+def _adapt_state(layer):
+  """(what adapt() computes, the constructor arguments that give it, whether
+  the layer holds it), by the layer's attributes (Keras 3 and tf_keras)."""
+  if hasattr(layer, "input_mean"):  # Normalization
+    held = layer.input_mean is None and hasattr(layer, "adapt_mean") and (
+        np.any(np.asarray(layer.adapt_mean.numpy()) != 0)
+        or np.any(np.asarray(layer.adapt_variance.numpy()) != 1))
+    return "a mean and variance" + _NOT_GIVEN, "mean=..., variance=...", held
+  if hasattr(layer, "num_bins"):  # Discretization
+    summary = getattr(layer, "summary", None)
+    summary = summary.numpy() if hasattr(summary, "numpy") else summary
+    held = layer.num_bins is not None and (
+        len(list(layer.bin_boundaries or [])) > 0
+        or (summary is not None and np.size(summary) > 0))
+    return "bin boundaries" + _NOT_GIVEN, "bin_boundaries=[...]", held
+  lookup = getattr(layer, "_lookup_layer", layer)  # TextVectorization's
+  if hasattr(lookup, "_has_input_vocabulary"):  # StringLookup, IntegerLookup
+    tables = [getattr(lookup, name, None) for name in (
+        "lookup_table", "token_counts", "token_document_counts")]
+    documents = getattr(lookup, "num_documents", None)
+    held = not lookup._has_input_vocabulary and (  # pylint: disable=protected-access
+        any(int(t.size().numpy()) > 0 for t in tables if t is not None)
+        or (documents is not None and int(documents.numpy()) > 0))
+    argument = "vocabulary=[...]" + (
+        ", idf_weights=[...]" if lookup.output_mode == "tf_idf" else "")
+    return "a vocabulary" + _NOT_GIVEN, argument, held
+  # Unknown: tf_keras' PreprocessingLayer records adapt() (is_adapted);
+  # otherwise what adapt() writes cannot be told apart from the rest.
+  return _UNKNOWN, None, getattr(layer, "is_adapted", None) is not False
+
+
+_NOT_GIVEN = (" not given to its constructor: computed by adapt() (or set or "
+              "loaded later, which cannot be told apart)")
+_UNKNOWN = ("state that adapt() may have computed (tf_dpadambc cannot tell "
+            "for this class)")
 
 
 def check_forward(model, inputs):
@@ -191,17 +283,26 @@ def stateless_evaluation(function):
   return wrapped
 
 
+def _is_a(callback, name):
+  """``callback`` is (a subclass of) Keras 3's or tf_keras' class ``name``
+  (by name: this package does not import tf_keras)."""
+  return any(cls.__name__ == name
+             and cls.__module__.split(".")[0].endswith("keras")
+             for cls in type(callback).__mro__)
+
+
 def _acts_on(callback):
   """The training log ``callback`` acts on (stops, tunes or picks what is
   kept by), or None. Validation quantities (``val_…``, computed on data the
-  model does not train on) and ``epsilon`` (data-independent) are fine."""
-  if isinstance(callback, keras.callbacks.TerminateOnNaN):
+  model does not train on) and ``epsilon`` (data-independent) are fine.
+  Keras 3's callbacks and tf_keras' alike (the tf_keras adapter checks its
+  ``fit`` with this too)."""
+  if _is_a(callback, "TerminateOnNaN"):
     return "loss"
-  acts = isinstance(callback, (keras.callbacks.EarlyStopping,
-                               keras.callbacks.ReduceLROnPlateau)) or (
-                                   isinstance(callback,
-                                              keras.callbacks.ModelCheckpoint)
-                                   and callback.save_best_only)
+  acts = _is_a(callback, "EarlyStopping") or _is_a(
+      callback, "ReduceLROnPlateau") or (
+          _is_a(callback, "ModelCheckpoint")
+          and getattr(callback, "save_best_only", False))
   monitor = getattr(callback, "monitor", None)
   if not acts or not isinstance(monitor, str):
     return None
@@ -220,7 +321,7 @@ def check_callbacks(callbacks):
   told a dataset from its neighbour at any σ). Custom callbacks cannot be
   checked; the README says the same of them.
   """
-  if isinstance(callbacks, keras.callbacks.CallbackList):
+  if _is_a(callbacks, "CallbackList"):
     callbacks = callbacks.callbacks
   # Keras flattens nested lists of callbacks: so do we.
   for callback in tf.nest.flatten(callbacks or []):
@@ -228,7 +329,7 @@ def check_callbacks(callbacks):
     if monitor is None:
       continue
     name = type(callback).__name__
-    if isinstance(callback, keras.callbacks.TerminateOnNaN):
+    if _is_a(callback, "TerminateOnNaN"):
       raise ValueError(
           "TerminateOnNaN stops training when the training loss is not "
           "finite, which one example can cause; the loss is computed without "

@@ -92,13 +92,28 @@ def all_layers(model):
 
 def traced_batch_norm(tensor):
   """Name of a training-mode fused batch normalization op in the graph that
-  computes ``tensor`` (inside a traced function), or None (eager, or none)."""
+  computes ``tensor`` (inside a traced function), or None (eager, or none).
+
+  Not tf_keras' LayerNormalization, which computes per-row statistics with
+  the same kernel on its input reshaped to [1, rows, features, 1] (NCHW:
+  one statistic per row, the examples in the channels): it was refused as
+  batch normalization. Whatever else such an op could do, the per-unit
+  losses are compared with the batch's on every step of fit (a layer that
+  mixes examples then zeroes the step and raises)."""
   if tf.executing_eagerly() or not hasattr(tensor, "graph"):
     return None
   for op in tensor.graph.get_operations():
-    if op.type in _FUSED_BATCH_NORM and op.get_attr("is_training"):
+    if (op.type in _FUSED_BATCH_NORM and op.get_attr("is_training")
+        and not _per_row_normalization(op)):
       return op.name
   return None
+
+
+def _per_row_normalization(op):
+  """The fused kernel as tf_keras' LayerNormalization calls it."""
+  shape = op.inputs[0].shape
+  return (op.get_attr("data_format") in (b"NCHW", "NCHW") and shape.rank == 4
+          and shape[0] == 1 and shape[3] == 1)
 
 
 # ------------------------------------------------------ the vectorized path

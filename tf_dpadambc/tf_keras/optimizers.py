@@ -47,9 +47,11 @@ class, same name and arguments); ``DPKerasSGDOptimizer``,
 ``DPKerasAdamOptimizer`` and ``DPKerasAdagradOptimizer`` take TF-Privacy's
 constructor signature.
 """
+import collections.abc
 import logging
 import sys
 
+import keras
 import tensorflow as tf
 import tf_keras
 
@@ -60,8 +62,10 @@ from tf_dpadambc.core import per_example
 from tf_dpadambc.keras import optimizers as keras3_optimizers
 from tf_dpadambc.keras import replicas
 from tf_dpadambc.keras import training as keras3_training
+from tf_dpadambc.keras import validation
 from tf_dpadambc.keras.optimizers import base
 from tf_dpadambc.tf_keras import _compat
+from tf_dpadambc.tf_keras import guards
 
 PACKAGE = "tf_dpadambc"
 
@@ -148,6 +152,25 @@ _STATE_ERROR = (
     "normalization use LayerNormalization or GroupNormalization). Remove "
     "the write or the layer. (In minimize_per_unit's loss_fn, use a loss "
     "object, not model.compiled_loss: it updates metric variables.)")
+
+_OUTSIDE_DATA_ERROR = (
+    "tf_dpadambc: the loss evaluated on each example (or microbatch) alone "
+    "reads data other than that unit's: {reads}. A unit's loss must be "
+    "computed from the unit it is given and the model: one that reads the "
+    "whole batch (the train step's x or y, a dataset, a tensor captured "
+    "from outside) depends on the other examples, every unit then gets the "
+    "batch's gradient, and clipping bounds no example's influence. In "
+    "minimize_per_unit, compute the loss from loss_fn's argument only:\n\n"
+    "    losses = self.optimizer.minimize_per_unit(\n"
+    "        lambda batch: loss_object(batch[1], self(batch[0], "
+    "training=True)),\n"
+    "        (x, y), self.trainable_variables)\n\n"
+    "and pass per-example tensors (sample weights, ...) in `data`. A tensor "
+    "made eagerly outside loss_fn and captured (e.g. class weights from "
+    "tf.constant outside it) cannot be told apart from captured data and is "
+    "refused too: create it inside loss_fn (tf.constant(...) there is a "
+    "constant of the step), or hold it in the model (a layer's attribute or "
+    "a non-trainable variable).")
 
 # Relative agreement required between per-unit losses and tf_keras' batched
 # ones: per-example and batched kernels may round differently (equal on CPU;
@@ -404,7 +427,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     own examples only, whatever the model does across a batch, so clipping
     bounds every example's influence. Random layers draw their values
     independently of the data: still exact. A model that writes variables
-    in its forward pass is refused (``ValueError``).
+    in its forward pass is refused (``ValueError``), and so is a ``loss_fn``
+    that reads anything but its argument and the model (the outer batch, a
+    tensor captured from eager that the model does not hold: see
+    :meth:`_map_units`).
 
     Returns the [U] unit losses (means over each unit's examples).
     """
@@ -447,7 +473,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     here (one replica), or of all replicas' sums (``keras.replicas.release``:
     global Σ clip_C(g_u), noise σC drawn once, divided by the global count)."""
     if not replicated:
-      self._inner.apply_per_unit(per_unit, num_units, num_examples, var_list,
+      # Every caller's rows are per unit: evaluated alone (_map_units), or
+      # the jacobian of an optimizer built with assume_examples_independent.
+      self._inner.apply_per_unit(per_example.assume_per_unit(per_unit),
+                                 num_units, num_examples, var_list,
                                  unit_mask=unit_mask)
       return
     result = clipping.materialized_clipped_sum(
@@ -614,6 +643,23 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     own slice of ``data`` only. A model that writes variables in the
     evaluated code would share that state across units: ``ValueError``.
 
+    That holds only if ``unit_loss`` reads its unit and nothing else that
+    depends on the data: a loss that closes over the outer batch (a custom
+    train step's ``x``) gives every unit the batch's gradient. So every
+    tensor the traced unit function takes from outside itself must come
+    from constants and the model alone (``graph.outside_data``: followed
+    through captures, calls and branches): its variables and tables, and
+    the eager tensors its layers hold (normalization statistics, lookup
+    defaults). A tensor derived from ``data``, an input of the enclosing
+    function (a train step's batch), an iterator's element, a stateful op's
+    output, or another tensor captured from eager (the batch of an eager
+    loop, or a constant made outside: they cannot be told apart) is refused
+    (``ValueError``) before any update. Under ``tf.vectorized_map`` the unit
+    function is traced in the enclosing graph (or, under XLA, a function
+    capturing from it), under ``tf.map_fn`` in a loop body capturing from
+    it: checked at the end of each trace, while its captures are recorded.
+    NumPy arrays closed over become constants of the trace: not found.
+
     Returns ``(grads or None, losses [U] float32, ops, how)``; ``ops`` are
     the ops of the unit function as traced (to look for random draws).
     """
@@ -621,7 +667,11 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     present = [i for i, t in enumerate(leaves) if t is not None]
     units = [per_example.split_microbatches(leaves[i], num_microbatches)
              for i in present]
-    recorded = []
+    recorded, reads = [], []
+    # Constants the model holds as eager tensors (normalization statistics,
+    # lookup defaults) are read from outside too; anything else captured
+    # from eager might be data (the batch of an eager loop).
+    held = _held_tensors(model)
 
     def alone(unit_leaves):
       unit = [None] * len(leaves)
@@ -639,7 +689,11 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(
             loss, var_list,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)]
-      recorded.extend(trace.get_operations()[start:])
+      ops = trace.get_operations()[start:]
+      recorded.extend(ops)
+      # While the trace is open: its captures say what came from outside.
+      reads.extend(_inspect(graph.outside_data)(
+          ops, unit_leaves, [leaves[i] for i in present], held))
       return grads, tf.cast(loss, tf.float32)
 
     signature = ([tf.TensorSpec(v.shape, v.dtype.base_dtype)
@@ -660,12 +714,18 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         # No vectorization rule for an op (or a pfor bug): the next way.
         errors.append(f"{how}: {type(error).__name__}: {error}")
         continue
+      if reads:
+        raise ValueError(_OUTSIDE_DATA_ERROR.format(
+            reads="; ".join(sorted(set(reads))[:3])))
       writes = _compat.state_writes(recorded, model)
       if how != "vectorized":  # units one after another: no Python state
         writes += graph.python_calls(recorded)
       if writes:
         raise ValueError(_STATE_ERROR.format(ops=", ".join(writes[:5])))
       return (None if var_list is None else grads), losses, recorded, how
+    if reads:  # (the more basic refusal, whether or not a way worked)
+      raise ValueError(_OUTSIDE_DATA_ERROR.format(
+          reads="; ".join(sorted(set(reads))[:3])))
     raise ValueError(
         "tf_dpadambc: the model cannot be evaluated one unit at a time "
         "(tf.vectorized_map and tf.map_fn both failed):\n"
@@ -696,6 +756,7 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
   def _check_model(self, var_list, loss):
     model = _compat.calling_model(self, var_list)
     if model is not None:
+      guards.on_step(model, self)  # fit's callbacks, data and accounting
       for layer in _compat.all_layers(model):
         policy = getattr(layer, "dtype_policy", None)
         if policy is not None and getattr(policy, "compute_dtype", None) != (
@@ -705,6 +766,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         if isinstance(layer, _compat.CROSS_EXAMPLE_LAYERS):
           raise ValueError(_CROSS_EXAMPLE_ERROR.format(
               layer=layer.name, cls=type(layer).__name__))
+        # Statistics adapt() computed from the raw data, saved with the model.
+        adapted = validation.adapted_preprocessing(layer)
+        if adapted is not None:
+          raise ValueError(adapted)
     op = None if loss is None else _compat.traced_batch_norm(loss)
     if op is not None:
       raise ValueError(_CROSS_EXAMPLE_ERROR.format(
@@ -748,6 +813,47 @@ class _QuietVectorization(logging.Filter):
 
   def __exit__(self, *exc):
     tf.get_logger().removeFilter(self)
+
+
+def _held_tensors(model):
+  """The eager tensors held by ``model``'s layers, directly or through
+  containers and the trackables they own (a lookup table's default value):
+  model state, like its variables. None model: none."""
+  held, seen = [], set()
+  stack = [(layer, 0) for layer in (
+      _compat.all_layers(model) if model is not None else [])]
+  while stack:
+    value, depth = stack.pop()
+    if id(value) in seen:
+      continue
+    seen.add(id(value))
+    if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
+      held.append(value)
+    elif depth == 0 or (depth < 3 and
+                        not isinstance(value, _NOT_MODEL_STATE)):
+      if isinstance(value, (list, tuple)):
+        children = value
+      elif isinstance(value, collections.abc.Mapping):
+        children = list(value.values())
+      elif isinstance(value, _TRACKABLE):
+        children = list(getattr(value, "__dict__", {}).values())
+      else:
+        continue
+      stack += [(child, depth + 1) for child in children]
+  return held
+
+
+# Graph inspection, plain Python: not for autograph (which converts what
+# the traced unit function calls).
+_inspect = tf.autograph.experimental.do_not_convert
+_TRACKABLE = tf.__internal__.tracking.Trackable
+# Held by a model without being its state, or walked already (layers).
+# (A traced function's captures are not the model's: they could be data.)
+_NOT_MODEL_STATE = (tf.Variable, tf_keras.layers.Layer,
+                    tf_keras.optimizers.Optimizer, tf_keras.metrics.Metric,
+                    keras.layers.Layer, keras.optimizers.Optimizer,
+                    keras.metrics.Metric, tf.types.experimental.GenericFunction,
+                    tf.types.experimental.ConcreteFunction, tf.data.Dataset)
 
 
 def _example_losses(loss):

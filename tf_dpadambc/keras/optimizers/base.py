@@ -30,6 +30,7 @@ from tf_dpadambc.accounting import ledger as ledger_lib
 from tf_dpadambc.accounting import run
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import ghost
+from tf_dpadambc.core import per_example
 from tf_dpadambc.keras.optimizers import arguments
 from tf_dpadambc.keras.optimizers import distributed
 from tf_dpadambc.keras.optimizers import state as state_lib
@@ -340,7 +341,24 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
     a DPQuery, accumulates Σ_u preprocess_record(g_u) and releases it.
     ``unit_mask`` ([U] bool) leaves out padding rows. Returns the
     ``ClippedSum`` (None with a query).
+
+    Only ``per_example.PerUnitGradients`` are taken: what
+    ``tf_dpadambc.keras.training.per_unit_gradients`` returns (each unit
+    evaluated alone), or ``per_example.assume_per_unit(grads)`` where the
+    caller vouches that row u depends on unit u alone. A plain list (e.g.
+    the rows of ``tape.jacobian``, which mix examples wherever the model
+    does) is refused.
     """
+    if not isinstance(per_unit_grads, per_example.PerUnitGradients):
+      raise TypeError(
+          f"{self.name}.apply_per_unit clips per-unit gradients it cannot "
+          f"check; got {type(per_unit_grads).__name__}. Compute them with "
+          "tf_dpadambc.keras.training.per_unit_gradients(model, x, y, "
+          "sample_weight) (each unit evaluated on its own examples), or, if "
+          "row u of every tensor depends on unit u's examples alone, say so: "
+          "tf_dpadambc.core.per_example.assume_per_unit(grads). Rows of a "
+          "batched jacobian are not per-example when the model mixes "
+          "examples (lag features, batch statistics).")
     variables = self._variables_of_step(trainable_variables)
     if not self.privatizer.clips_records:
       result = clipping.materialized_clipped_sum(

@@ -1,0 +1,150 @@
+"""The tf_keras adapter's checks around fit and compile (tf_keras.guards):
+what make_private's wrappers do for Keras 3, on tf_keras' own fit."""
+import warnings
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+
+tf_keras = pytest.importorskip(
+    "tf_keras", reason="tf_keras is not installed (pip install tf-keras)")
+
+from tf_dpadambc import data  # noqa: E402
+from tf_dpadambc import tf_keras as dptk  # noqa: E402
+from tf_dpadambc.accounting import epsilon as epsilon_lib  # noqa: E402
+
+N, B, D, SIGMA, DELTA = 120, 20, 3, 1.0, 1e-5
+LOSS = tf_keras.losses.MeanSquaredError(
+    reduction=tf_keras.losses.Reduction.NONE)
+
+
+def _data(n=N, seed=0):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(n, D)).astype("float32"),
+          rng.normal(size=(n, 1)).astype("float32"))
+
+
+def _model(optimizer):
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(D,))])
+  model.compile(optimizer=optimizer, loss=LOSS)
+  return model
+
+
+def _fit(model, *args, **kwargs):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return model.fit(*args, verbose=0, **kwargs)
+
+
+def _weights(model):
+  return [w.copy() for w in model.get_weights()]
+
+
+def _unchanged(model, before):
+  return all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+
+
+def _epsilon(event):
+  return epsilon_lib.epsilon_of_event(event, DELTA, "rdp")
+
+
+def test_callbacks_on_the_training_loss_are_refused_before_any_step():
+  # TerminateOnNaN with one NaN example stopped a review's run after 3 steps
+  # against 40: the step count told neighbours apart at any σ.
+  x, y = _data()
+  y[5] = np.nan
+  model = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1))
+  before = _weights(model)
+  with pytest.raises(ValueError, match="TerminateOnNaN"):
+    _fit(model, x, y, batch_size=B, callbacks=[
+        tf_keras.callbacks.TerminateOnNaN()])
+  assert _unchanged(model, before)
+  assert model.optimizer.keras_optimizer.steps_taken == 0
+  # A later fit reuses the traced step: its callbacks are checked by fit.
+  x, y = _data()
+  _fit(model, x, y, batch_size=B)
+  for callback in ([tf_keras.callbacks.EarlyStopping(monitor="loss")],
+                   [[tf_keras.callbacks.ReduceLROnPlateau(monitor="loss")]]):
+    before = _weights(model)
+    with pytest.raises(ValueError, match="monitor='loss'"):
+      _fit(model, x, y, batch_size=B, callbacks=callback)
+    assert _unchanged(model, before)
+  # Validation quantities are not computed from the training data: allowed.
+  _fit(model, x, y, batch_size=B, validation_data=_data(20, seed=1),
+       callbacks=[tf_keras.callbacks.EarlyStopping(monitor="val_loss")])
+
+
+def test_poisson_accounting_holds_only_for_the_poisson_batches_it_describes():
+  x, y = _data()
+  optimizer = dptk.DPSGD(1.0, SIGMA, learning_rate=0.1,
+                         expected_batch_size=B)
+  model = _model(optimizer)
+  before = _weights(model)
+  # Fixed-size batches: a review got ε 4.04 reported for 12.30.
+  with pytest.raises(ValueError, match="poisson_batches"):
+    _fit(model, x, y, batch_size=B)
+  assert _unchanged(model, before) and optimizer.keras_optimizer.steps_taken == 0
+  small = N // 2
+  budget = dptk.PrivacyBudget(small, DELTA, verbose=0)
+  _fit(model, data.poisson_batches(x[:small], y[:small],
+                                   expected_batch_size=B), epochs=2,
+       callbacks=[budget])
+  steps = optimizer.keras_optimizer.steps_taken
+  assert steps > 0
+  # Sampled from N/2 examples: accounting them with N understates ε (a
+  # review: 3.18 reported for 5.88).
+  with pytest.raises(ValueError, match="sampled from N = 60"):
+    optimizer.dp_event(N)
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(dp_accounting.PoissonSampledDpEvent(
+      B / small, dp_accounting.GaussianDpEvent(SIGMA)), steps)
+  np.testing.assert_allclose(_epsilon(optimizer.dp_event(small)),
+                             accountant.get_epsilon(DELTA), rtol=1e-6)
+  # The callback reads the Poisson sampling through the adapter (it raised
+  # at every epoch's end, reading expected_batch_size from the wrapper).
+  assert len(budget.history) == 2
+  np.testing.assert_allclose(budget.history[-1], accountant.get_epsilon(DELTA),
+                             rtol=1e-6)
+
+
+def test_a_recompiled_optimizer_accounts_the_earlier_run():
+  # 3 epochs, compile again, 1 epoch: a review got 4.73 reported for 10.73.
+  x, y = _data()
+  model = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1))
+  _fit(model, x, y, batch_size=B, epochs=3)
+  model.compile(optimizer=dptk.DPSGD(1.0, SIGMA, learning_rate=0.01),
+                loss=LOSS)
+  _fit(model, x, y, batch_size=B, epochs=1)
+  # The same as one optimizer's uninterrupted 4 epochs (accounted step by
+  # step here: no epochs were recorded) ...
+  whole = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1))
+  _fit(whole, x, y, batch_size=B, epochs=4)
+  continued = _epsilon(model.optimizer.dp_event(N, sampling="shuffle"))
+  np.testing.assert_allclose(
+      continued, _epsilon(whole.optimizer.dp_event(N, sampling="shuffle")),
+      rtol=1e-9)
+  # ... more than the last epoch's alone (what was reported before).
+  last = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.01))
+  _fit(last, x, y, batch_size=B, epochs=1)
+  assert continued > 2 * _epsilon(last.optimizer.dp_event(N,
+                                                          sampling="shuffle"))
+
+
+def test_an_assigned_optimizer_is_refused():
+  # The traced step kept the old optimizer; the statement read the new one
+  # (a review: ε 0 reported for a model that kept training).
+  x, y = _data()
+  model = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1))
+  _fit(model, x, y, batch_size=B)
+  model.optimizer = dptk.DPSGD(1.0, SIGMA, learning_rate=0.1)
+  before = _weights(model)
+  with pytest.raises(ValueError, match="was replaced"):
+    _fit(model, x, y, batch_size=B)
+  assert _unchanged(model, before)
+  # Compiling it in is the way: the step is traced again, with it.
+  model.compile(optimizer=model.optimizer, loss=LOSS)
+  _fit(model, x, y, batch_size=B)
+  assert model.optimizer.keras_optimizer.steps_taken == N // B
+  assert tf.is_tensor(model.optimizer.iterations)

@@ -1,0 +1,104 @@
+"""The tf_keras adapter's checks around ``fit`` and ``compile``.
+
+Keras 3 models get them from ``make_private``'s wrappers; a tf_keras model is
+compiled with an adapter optimizer and trained with tf_keras' own ``fit``,
+so the adapter installs them when its step is first traced for the model
+(inside that ``fit``). A review found each one missing on tf_keras:
+
+- callbacks acting on the un-noised training logs (``TerminateOnNaN`` with one
+  NaN example: 3 steps against 40, telling neighbours apart at any σ);
+- Poisson accounting of fixed-size batches (ε 4.04 reported for 12.30), or of
+  batches sampled from fewer examples than accounted (3.18 for 5.88);
+- compiling a new DP optimizer: its ε left out the earlier run (4.73
+  reported for 10.73);
+- assigning ``model.optimizer`` after the step was traced: the step kept the
+  old optimizer, the statement read the new one (ε 0 reported for 10.73).
+"""
+import inspect
+import sys
+import weakref
+
+import tensorflow as tf
+import tf_keras
+
+from tf_dpadambc.accounting import ledger
+from tf_dpadambc.keras import training
+from tf_dpadambc.keras import validation
+
+_GUARDED = "_tf_dpadambc_fit_guarded"
+# Frames searched for the running fit above the traced step (~20 deep).
+_MAX_FRAMES = 80
+_FIT_SIGNATURE = inspect.signature(tf_keras.Model.fit)
+
+
+def on_step(model, optimizer):
+  """Checks ``model``'s running ``fit`` and wires the accounting; called by
+  the adapter each time it traces (or eagerly runs) a step for ``model``.
+
+  Raises ``ValueError`` before the step releases anything: for callbacks
+  driven by the training logs, and for data the optimizer's Poisson
+  accounting does not hold for. The first call also wraps ``model.fit``,
+  which checks the same (and a replaced ``model.optimizer``) before every
+  later ``fit``, whose step is not traced again.
+  """
+  if not isinstance(model, tf_keras.Model):
+    return  # a Keras 3 model (make_private checks it) in a custom loop
+  _guard_fit(model)
+  running = _running_fit(model)
+  # Eagerly, also while tracing: the ledgers read and write variables.
+  with tf.init_scope():
+    if running is not None:
+      try:
+        _check_fit(optimizer, running)
+      except ValueError:
+        # Refused inside the first trace, which may have created variables:
+        # the next fit makes a new train function instead of retracing it.
+        model.train_function = None
+        raise
+    # The weights carry the releases of the DP optimizer this model trained
+    # with before: a new one's ε composes them (as compile does in Keras 3).
+    training._continue_accounting(model, None, optimizer)  # pylint: disable=protected-access
+  object.__setattr__(model, validation.TRACED_OPTIMIZER,
+                     weakref.ref(optimizer))
+
+
+def _check_fit(optimizer, arguments):
+  if ledger.ledger_of(optimizer) is None:
+    return  # compiled again without a DP optimizer: nothing private runs
+  validation.check_callbacks(arguments.get("callbacks"))
+  ledger.check_poisson_data(optimizer, arguments.get("x"))
+
+
+def _running_fit(model):
+  """The arguments of tf_keras ``Model.fit`` running for ``model`` (the
+  frame of its own code, ``self`` the model), or None."""
+  frame = sys._getframe(2)  # pylint: disable=protected-access
+  for _ in range(_MAX_FRAMES):
+    if frame is None:
+      return None
+    code = frame.f_code
+    if (code.co_name == "fit" and frame.f_locals.get("self") is model
+        and "tf_keras" in code.co_filename):
+      return frame.f_locals
+    frame = frame.f_back
+  return None
+
+
+def _guard_fit(model):
+  if model.__dict__.get(_GUARDED):
+    return
+  fit = model.fit
+
+  def guarded_fit(*args, **kwargs):
+    validation.check_optimizer_is_traced(model)
+    try:
+      arguments = _FIT_SIGNATURE.bind(model, *args, **kwargs).arguments
+    except TypeError:
+      return fit(*args, **kwargs)  # let tf_keras report the bad call
+    _check_fit(getattr(model, "optimizer", None), arguments)
+    return fit(*args, **kwargs)
+
+  guarded_fit.__doc__ = fit.__doc__
+  # object.__setattr__: out of tf_keras' tracking and of saved models.
+  object.__setattr__(model, "fit", guarded_fit)
+  object.__setattr__(model, _GUARDED, True)
