@@ -154,7 +154,7 @@ def _summary(model, optimizer):
   return {"weights": [v.numpy().tolist() for v in model.trainable_variables],
           "steps_taken": int(optimizer.steps_taken),
           "logical_batch_size": int(optimizer.logical_batch_size),
-          "dp_event": str(optimizer.dp_event(N))}
+          "dp_event": str(optimizer.dp_event(N, sampling="poisson"))}
 
 
 def _keras3_fit():
@@ -206,7 +206,7 @@ def _tf_keras(how):
         "weights": [np.asarray(w).tolist() for w in model.get_weights()],
         "steps_taken": int(optimizer.steps_taken),
         "logical_batch_size": int(optimizer.logical_batch_size),
-        "dp_event": str(optimizer.dp_event(N)),
+        "dp_event": str(optimizer.dp_event(N, sampling="poisson")),
         "per_unit_plan": optimizer.per_unit_plan,
         "refused_steps": optimizer.refused_steps,
         "seed_variable": type(optimizer.keras_optimizer._seed_variable.value  # pylint: disable=protected-access

@@ -207,6 +207,27 @@ def test_a_custom_loop_declares_its_poisson_batches():
                              accountant.get_epsilon(1e-5), rtol=1e-9)
 
 
+def test_train_on_batch_declares_its_poisson_batches():
+  # train_on_batch runs fit's step on batches fit never sees: with unit
+  # weights it claimed the Poisson ε for fixed-size batches.
+  x, y, _ = _problem()
+  model = dp.make_private(_linear_model())
+  opt = dp.DPSGD(1.0, 1.0, learning_rate=0.1, expected_batch_size=B)
+  model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+      from_logits=True))
+  model(x[:1])
+  before = [w.copy() for w in model.get_weights()]
+  with pytest.raises(ValueError, match="register_dataset"):
+    model.train_on_batch(x[:B], y[:B], sample_weight=np.ones(B, "float32"))
+  assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+  assert opt.steps_taken == 0
+  batches = dp.register_dataset(opt, data.poisson_batches(
+      x, y, expected_batch_size=B, steps_per_epoch=2, seed=0))
+  for xb, yb, wb in batches:
+    model.train_on_batch(xb, yb, sample_weight=wb)
+  assert opt.steps_taken == 2
+
+
 @pytest.mark.parametrize("regularizer", [None, 0.05])
 def test_private_step_equals_the_numpy_reference(regularizer):
   """Σ over the REAL rows of clip_C(w_i ∇ℓ_i [+ ∇reg]), divided by B."""

@@ -106,7 +106,8 @@ def test_dp_event_is_composed_from_the_query_event():
   model = _model(optimizer)
   model.fit(X, Y, batch_size=16, epochs=2, verbose=0)
   assert optimizer.steps_taken == 8
-  assert optimizer.dp_event(64) == events.dp_sgd_event(1.1, 64, 16, 8)
+  assert optimizer.dp_event(64, sampling="poisson") == events.dp_sgd_event(
+      1.1, 64, 16, 8)
   assert optimizer.dp_event(64, sampling="shuffle") == events.dp_sgd_event(
       1.1, 64, 16, 8, "shuffle")
 
@@ -116,7 +117,8 @@ def test_microbatches_halve_the_query_noise_multiplier():
                                 num_microbatches=4)
   model = _model(optimizer)
   model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
-  assert optimizer.dp_event(64) == events.dp_sgd_event(1.0, 64, 16, 4)
+  assert optimizer.dp_event(64, sampling="poisson") == events.dp_sgd_event(
+      1.0, 64, 16, 4)
 
 
 def _adaptive(count_stddev, clip=1.0, sigma=1.1, quantile=0.5, rate=0.2):

@@ -86,6 +86,10 @@ def test_poisson_accounting_holds_only_for_the_poisson_batches_it_describes():
   with pytest.raises(ValueError, match="poisson_batches"):
     _fit(model, x, y, batch_size=B)
   assert _unchanged(model, before) and optimizer.keras_optimizer.steps_taken == 0
+  # train_on_batch: batches fit never sees, declared or refused.
+  with pytest.raises(ValueError, match="register_dataset"):
+    model.train_on_batch(x[:B], y[:B], sample_weight=np.ones(B, "float32"))
+  assert _unchanged(model, before) and optimizer.keras_optimizer.steps_taken == 0
   small = N // 2
   budget = dptk.PrivacyBudget(small, DELTA, verbose=0)
   _fit(model, data.poisson_batches(x[:small], y[:small],

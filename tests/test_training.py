@@ -199,10 +199,16 @@ def test_optimizer_reports_its_dp_event_and_statement():
   opt = model.optimizer
   assert opt.steps_taken == 2 * N // 64
   assert opt.logical_batch_size == 64
-  eps = dp.epsilon_of_event(opt.dp_event(N), 1e-5)
+  eps = dp.epsilon_of_event(opt.dp_event(N, sampling="poisson"), 1e-5)
   assert eps == pytest.approx(dp.compute_epsilon(N, 64, 2, 1.2, 1e-5))
   text = dp.optimizer_privacy_statement(opt, N, 1e-5)
   assert f"ε = {eps:.3f} with Poisson" in text
+  # By default dp_event is the run's own: fixed-size batches, once per
+  # epoch (it was the Poisson event, which does not hold for this run).
+  ran = dp.epsilon_of_event(opt.dp_event(N), 1e-5)
+  assert opt.dp_event(N) == opt.dp_event(N, sampling="shuffle") and ran > eps
+  assert (f"ε = {ran:.3f} if each example is used exactly once per epoch"
+          in text)
 
 
 def test_microbatched_training_is_accounted_with_half_sigma():

@@ -480,7 +480,7 @@ def test_jme_effective_noise_multiplier_and_dp_event():
   zeros = [np.zeros(3, "float32")]
   ro.apply_private(
       clipping.assume_clipped(zeros), 64, 64, [var], clipped_square_sum=zeros)
-  event = ro.dp_event(6400)
+  event = ro.dp_event(6400, sampling="poisson")
   assert event.event.event.noise_multiplier == pytest.approx(want)
   # Default λ = 1/(2C²): σ·C/sqrt(C² + C²/2) = σ·sqrt(2/3).
   default = dp.DPAdamJME(clip, 1.2, adjacency="replace_one")

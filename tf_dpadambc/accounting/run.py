@@ -193,7 +193,7 @@ def logical_steps_per_epoch(optimizer, num_examples):
           / optimizer.accumulation_steps)
 
 
-def dp_event(optimizer, num_examples, batch_size=None, sampling="poisson",
+def dp_event(optimizer, num_examples, batch_size=None, sampling=None,
              steps=None, extra_epoch_batches=0):
   """The dp_accounting DpEvent of the training ``optimizer`` performed,
   composed with the runs of the DP optimizers its model was compiled with
@@ -210,7 +210,7 @@ def dp_event(optimizer, num_examples, batch_size=None, sampling="poisson",
   return dp_accounting.ComposedDpEvent([earlier, own])
 
 
-def own_event(optimizer, num_examples, batch_size=None, sampling="poisson",
+def own_event(optimizer, num_examples, batch_size=None, sampling=None,
               steps=None, extra_epoch_batches=0):
   """The dp_accounting DpEvent of the training ``optimizer`` itself performed.
 
@@ -219,10 +219,15 @@ def own_event(optimizer, num_examples, batch_size=None, sampling="poisson",
     num_examples: size N of the training set.
     batch_size: expected logical batch size; defaults to the largest seen
       (``expected_batch_size`` for Poisson batches).
-    sampling: ``"poisson"`` (each example in each step independently with
-      probability B/N: what the ε from ``compute_epsilon`` assumes; it holds
-      for batches from ``data.poisson_batches`` with ``expected_batch_size``)
-      or ``"shuffle"`` (each example once per epoch, no amplification). With
+    sampling: None (default): the sampling the run used, ``"poisson"`` for
+      an optimizer with ``expected_batch_size``, else ``"shuffle"`` (a
+      review read ``dp_event(N)`` of a fixed-size run as its ε: the Poisson
+      default it had then does not hold there). ``"poisson"`` (each example
+      in each step independently with probability B/N: what the ε from
+      ``compute_epsilon`` assumes; it holds for batches from
+      ``data.poisson_batches`` with ``expected_batch_size``; for another run
+      a what-if) or ``"shuffle"`` (each example once per epoch, no
+      amplification). With
       correlated noise: ``"cyclic"`` (fixed batch order every epoch),
       ``"shuffle"`` or ``"cyclic_poisson"`` (amplified BandMF, expected batch
       size B); see ``CorrelatedNoise.accounting_event``. The Poisson events
@@ -243,6 +248,8 @@ def own_event(optimizer, num_examples, batch_size=None, sampling="poisson",
     raise ValueError(f"{name} has no ε: {optimizer.traits.not_private_reason}")
   poisson = "cyclic_poisson" if optimizer.is_correlated else "poisson"
   expected = optimizer.expected_batch_size
+  if sampling is None:
+    sampling = "shuffle" if expected is None else poisson
   if expected is not None and sampling == "poisson":
     sampling = poisson  # the default: the run's own (banded MF: cyclic)
   if expected is not None and (sampling != poisson

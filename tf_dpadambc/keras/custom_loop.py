@@ -41,7 +41,8 @@ def register_dataset(optimizer, dataset):
   ``ValueError``), and its ledger records the N the batches are sampled
   from (``dp_event`` then refuses a larger ``num_examples``). Call it before
   the loop (on the dataset before ``experimental_distribute_dataset``);
-  :func:`private_step` refuses a Poisson optimizer without it. ::
+  :func:`private_step` (and ``train_on_batch``) refuse a Poisson optimizer
+  without it (``accounting.ledger.require_poisson_dataset``). ::
 
       batches = tf_dpadambc.data.poisson_batches(x, y, expected_batch_size=B)
       register_dataset(model.optimizer, batches)
@@ -50,23 +51,6 @@ def register_dataset(optimizer, dataset):
   """
   ledger.check_poisson_data(optimizer, dataset)
   return dataset
-
-
-def _check_registered(optimizer):
-  """A Poisson optimizer's ε assumes batches sampled with q = B/N: in a
-  custom loop only :func:`register_dataset` can check them (a review fed a
-  loop fixed-size batches with unit weights: ε 7.33 reported for 9.01, and
-  Poisson batches of 20 examples accounted with N = 40: 5.62 for 8.98)."""
-  with tf.init_scope():
-    registered = optimizer.accounting_ledger.state().poisson_examples
-  if not registered:
-    raise ValueError(
-        f"{optimizer.name} has expected_batch_size="
-        f"{optimizer.expected_batch_size}: its ε assumes Poisson batches, "
-        "which a custom loop must declare. Call tf_dpadambc.keras."
-        "custom_loop.register_dataset(optimizer, batches) with the dataset of "
-        "tf_dpadambc.data.poisson_batches the loop iterates, before the "
-        "loop. For fixed-size batches, drop expected_batch_size.")
 
 
 @tf.autograph.experimental.do_not_convert
@@ -127,7 +111,7 @@ def private_step(model, data, optimizer=None):
         f"{optimizer.expected_batch_size}: its batches must be Poisson "
         "samples with weight 0 on the padding (pass (x, y, sample_weight)).")
   if poisson:
-    _check_registered(optimizer)
+    ledger.require_poisson_dataset(optimizer)
   variables = model.trainable_variables
   if not optimizer.built:
     replicas.build(optimizer, variables)

@@ -529,6 +529,8 @@ def _plan_stage(model, sample_weight):
         "no sample weights: fit on tf_dpadambc.data.poisson_batches(x, y, "
         "expected_batch_size=...) (without batch_size), or drop "
         "expected_batch_size for fixed-size batches (shuffle accounting).")
+  # fit checked its dataset before this trace; train_on_batch declares.
+  ledger.require_poisson_dataset(optimizer)
   return optimizer, replicated
 
 
@@ -726,7 +728,16 @@ def _checked_train_function(model):
       if not checked.state_built:
         _compat.build_before_first_trace(model, args[0] if args else None)
         checked.state_built = True
-      logs = function(*args, **kwargs)
+      try:
+        logs = function(*args, **kwargs)
+      except Exception:
+        if not checked.ran:
+          # Refused while tracing (the model, the optimizer or the data):
+          # the next call makes a new function instead of retracing this
+          # one, whose aborted trace may have created variables.
+          model.train_function = None
+        raise
+      checked.ran = True
       if float(logs.pop(_UNVERIFIED, 0.0)):
         raise RuntimeError(
             "The model's output or loss for an example depends on the other "
@@ -746,6 +757,7 @@ def _checked_train_function(model):
       return logs
     checked._tf_dpadambc_checked = True  # pylint: disable=protected-access
     checked.state_built = False
+    checked.ran = False
     model.train_function = checked
     return checked
   object.__setattr__(model, "make_train_function", make_train_function)

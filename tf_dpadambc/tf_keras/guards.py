@@ -47,14 +47,16 @@ def on_step(model, optimizer):
   running = _running_fit(model)
   # Eagerly, also while tracing: the ledgers read and write variables.
   with tf.init_scope():
-    if running is not None:
-      try:
+    try:
+      if running is not None:
         _check_fit(optimizer, running)
-      except ValueError:
-        # Refused inside the first trace, which may have created variables:
-        # the next fit makes a new train function instead of retracing it.
-        model.train_function = None
-        raise
+      # fit checked its dataset; train_on_batch or a custom loop declares.
+      ledger.require_poisson_dataset(optimizer)
+    except ValueError:
+      # Refused inside the first trace, which may have created variables:
+      # the next fit makes a new train function instead of retracing it.
+      model.train_function = None
+      raise
     # The weights carry the releases of the DP optimizer this model trained
     # with before: a new one's ε composes them (as compile does in Keras 3).
     training._continue_accounting(model, None, optimizer)  # pylint: disable=protected-access

@@ -524,7 +524,7 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
     ``traits.accounting_noise_factor``."""
     return run.effective_noise_multiplier(self)
 
-  def dp_event(self, num_examples, batch_size=None, sampling="poisson",
+  def dp_event(self, num_examples, batch_size=None, sampling=None,
                steps=None, extra_epoch_batches=0):
     """The dp_accounting DpEvent of the training this optimizer performed
     (arguments: :func:`tf_dpadambc.accounting.run.dp_event`)."""
