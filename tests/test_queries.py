@@ -148,7 +148,7 @@ def test_adaptive_clip_event_reaches_accounting():
   optimizer = tf_dpadambc.DPAdamBC(query=query, learning_rate=1e-3)
   model = _model(optimizer)
   model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
-  event = optimizer.dp_event(64)
+  event = optimizer.dp_event(64, sampling="poisson")
   # The query's own event: the sum (σ = 1.1) and the clipped count (whose
   # records are ±0.5, so its multiplier is stddev / 0.5).
   step = dp_accounting.ComposedDpEvent([

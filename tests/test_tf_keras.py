@@ -1188,6 +1188,42 @@ def test_a_loss_fn_that_reads_the_outer_batch_is_refused(closure, path,
   _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
 
 
+class _BankStep(tf_keras.Sequential):
+  """A custom train_step that writes the batch into a variable (a memory
+  bank, a batch context) which every unit's loss then reads: one example
+  reaches all units (a review: 11 C/B for a bound of 2 C/B)."""
+
+  def train_step(self, data):
+    x, y = data
+    self.bank.assign(tf.reduce_mean(x, axis=0))
+
+    def loss_fn(batch):
+      return _MSE(batch[1], self(batch[0] + self.bank, training=True))
+    losses = self.optimizer.minimize_per_unit(loss_fn, (x, y),
+                                              self.trainable_variables)
+    return {"loss": tf.reduce_mean(losses)}
+
+
+@pytest.mark.parametrize("looped", [False, True])
+def test_a_variable_the_step_writes_from_the_batch_is_refused(looped,
+                                                              monkeypatch):
+  if looped:
+    def fail(*args, **kwargs):
+      raise ValueError("no vectorization rule (simulated)")
+    monkeypatch.setattr(tf, "vectorized_map", fail)
+  x, _ = _data(8)
+  y = np.random.default_rng(1).normal(size=(8, 3)).astype("float32")
+  tf_keras.utils.set_random_seed(0)
+  model = _BankStep([tf_keras.layers.Dense(3, input_shape=(4,))])
+  model.bank = tf.Variable(tf.zeros([4]), trainable=False)
+  init = [w.numpy() for w in model.trainable_variables]
+  model.compile(optimizer=_quiet(dptk.DPSGD, 0.2, 0.0, learning_rate=0.3))
+  with pytest.raises(ValueError, match="writes the batch into a variable"):
+    _quiet(model.fit, x, y, batch_size=8, verbose=0)
+  for w, w0 in zip(model.trainable_variables, init):
+    np.testing.assert_array_equal(w.numpy(), w0)
+
+
 def test_a_tensor_captured_from_eager_is_refused_one_made_in_loss_fn_is_not():
   """Class weights made eagerly outside loss_fn are captured like an eager
   batch would be (they cannot be told apart): refused, with the fix in the

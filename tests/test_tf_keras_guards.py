@@ -10,6 +10,7 @@ import tensorflow as tf
 tf_keras = pytest.importorskip(
     "tf_keras", reason="tf_keras is not installed (pip install tf-keras)")
 
+import tf_dpadambc  # noqa: E402
 from tf_dpadambc import data  # noqa: E402
 from tf_dpadambc import tf_keras as dptk  # noqa: E402
 from tf_dpadambc.accounting import epsilon as epsilon_lib  # noqa: E402
@@ -50,18 +51,23 @@ def _epsilon(event):
   return epsilon_lib.epsilon_of_event(event, DELTA, "rdp")
 
 
-def test_callbacks_on_the_training_loss_are_refused_before_any_step():
-  # TerminateOnNaN with one NaN example stopped a review's run after 3 steps
-  # against 40: the step count told neighbours apart at any σ.
+def _assert_nan_stop_refused(model):
+  """TerminateOnNaN on data with one NaN example: refused before a step."""
   x, y = _data()
   y[5] = np.nan
-  model = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1))
   before = _weights(model)
   with pytest.raises(ValueError, match="TerminateOnNaN"):
     _fit(model, x, y, batch_size=B, callbacks=[
         tf_keras.callbacks.TerminateOnNaN()])
   assert _unchanged(model, before)
   assert model.optimizer.keras_optimizer.steps_taken == 0
+
+
+def test_callbacks_on_the_training_loss_are_refused_before_any_step():
+  # TerminateOnNaN with one NaN example stopped a review's run after 3 steps
+  # against 40: the step count told neighbours apart at any σ.
+  model = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1))
+  _assert_nan_stop_refused(model)
   # A later fit reuses the traced step: its callbacks are checked by fit.
   x, y = _data()
   _fit(model, x, y, batch_size=B)
@@ -111,6 +117,24 @@ def test_poisson_accounting_holds_only_for_the_poisson_batches_it_describes():
   assert len(budget.history) == 2
   np.testing.assert_allclose(budget.history[-1], accountant.get_epsilon(DELTA),
                              rtol=1e-6)
+
+
+def test_the_first_fit_under_a_strategy_is_checked_too():
+  # MirroredStrategy (one device too) traces the step in a replica thread:
+  # the running fit was not found there, and its callbacks went unchecked
+  # (TerminateOnNaN: 3 steps against 40) while its Poisson data was refused.
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    model = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1))
+  _assert_nan_stop_refused(model)
+  x, y = _data()
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    model = _model(dptk.DPSGD(1.0, SIGMA, learning_rate=0.1,
+                              expected_batch_size=B))
+  _fit(model, data.poisson_batches(x, y, expected_batch_size=B), epochs=1)
+  assert model.optimizer.keras_optimizer.steps_taken > 0
+  # The statement reads expected_batch_size through the adapter (it raised).
+  assert "Poisson" in tf_dpadambc.optimizer_privacy_statement(
+      model.optimizer, num_examples=N, delta=DELTA)
 
 
 def test_a_recompiled_optimizer_accounts_the_earlier_run():

@@ -96,6 +96,47 @@ def test_overridden_loss_or_step_is_refused_not_ignored(cls, name):
     custom_loop.private_step(model, (x[:8], y[:8]))
 
 
+class _Bank(keras.layers.Layer):
+  """Adds a non-trainable context vector that a custom loop may set."""
+
+  def build(self, input_shape):
+    self.bank = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                trainable=False, name="bank")
+
+  def call(self, x):
+    return x + self.bank
+
+
+def test_a_loop_that_writes_the_batch_into_the_model_is_refused():
+  # A custom loop assigned the batch's mean to a model weight before
+  # private_step: every unit read it (a review: 11 C/B for a bound of 2 C/B).
+  from tf_dpadambc.keras import custom_loop  # pylint: disable=g-import-not-at-top
+  x, y = _data()
+  bank = _Bank(name="bank_layer")
+  model = keras.Sequential([keras.Input((D,)), bank, keras.layers.Dense(K)])
+  model.compile(optimizer=dp.DPSGD(1.0, 1.0, learning_rate=0.1), loss=_loss())
+  before = [w.copy() for w in model.get_weights()]
+
+  @tf.function
+  def leaky(batch):
+    bank.bank.assign(tf.reduce_mean(batch[0], axis=0))
+    return custom_loop.private_step(model, batch)
+
+  with pytest.raises(ValueError, match="wrote the batch into a variable"):
+    leaky((x[:16], y[:16]))
+  assert all(np.array_equal(a, b) for a, b in zip(model.get_weights()[1:],
+                                                  before[1:]))
+  # Two steps in one trace: the first one's update of the trainable weights
+  # is not the loop writing the batch.
+  @tf.function
+  def two_steps(first, second):
+    custom_loop.private_step(model, first)
+    return custom_loop.private_step(model, second)
+
+  two_steps((x[:16], y[:16]), (x[16:32], y[16:32]))
+  assert model.optimizer.steps_taken == 2
+
+
 def test_microbatches_not_dividing_the_batch_raise():
   x, y = _data()
   model = dp.make_private(_model())

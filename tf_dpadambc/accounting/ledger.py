@@ -442,6 +442,9 @@ class AccountingLedger:
     self._optimizer = optimizer
     self._pending = None  # the state before the optimizer is built
     self.recorder = None  # the EpochRecorder of a running fit, if any
+    # register_dataset was called (this process): a custom loop or
+    # train_on_batch feeds Poisson batches on the caller's word.
+    self.declared_poisson = False
     # The furthest position this optimizer object reached in this process
     # (never saved): a restore of an earlier checkpoint moves the ledger
     # back with the weights, and what was released before it is not in the
@@ -747,31 +750,41 @@ def check_poisson_data(optimizer, x):
     ledger.record_poisson_examples(sampled)
 
 
-def require_poisson_dataset(optimizer):
+def declare_poisson_dataset(optimizer, dataset):
+  """What ``tf_dpadambc.register_dataset`` does: :func:`check_poisson_data`
+  of ``dataset`` (a Poisson optimizer takes only ``data.poisson_batches`` of
+  its B; their N is recorded), and the caller's word, for this process,
+  that the batches fed outside ``fit`` come from it."""
+  check_poisson_data(optimizer, dataset)
+  ledger = ledger_of(optimizer)
+  if ledger is not None:
+    ledger.declared_poisson = True
+
+
+def require_poisson_dataset(optimizer, in_fit=False):
   """Raises ValueError if a Poisson optimizer (``expected_batch_size``) is
-  about to release without any Poisson dataset checked for it: its ε
-  assumes batches sampled with q = B/N, which ``fit`` checks of its ``x``
-  (:func:`check_poisson_data`) but ``train_on_batch`` and custom loops
-  cannot see; they declare them with ``tf_dpadambc.register_dataset`` (a
-  review: fixed-size batches with unit weights in a custom loop, ε 7.33
-  reported for 9.01; Poisson batches of 20 of 40 examples accounted with
-  N = 40, 5.62 for 8.98)."""
+  about to release outside a ``fit`` that checked its data, without
+  :func:`declare_poisson_dataset`: its ε assumes batches sampled with
+  q = B/N, which ``fit`` checks of its ``x`` (:func:`check_poisson_data`)
+  but ``train_on_batch`` and custom loops cannot see (a review: fixed-size
+  batches with unit weights in a custom loop, ε 7.33 reported for 9.01; a
+  Poisson fit, then fixed-size train_on_batch, 4.33 for 12.45). ``in_fit``:
+  the caller knows a checking fit runs (tf_keras); Keras 3's records its
+  epochs in the ledger while it runs."""
   ledger = ledger_of(optimizer)
   expected = getattr(getattr(optimizer, "keras_optimizer", optimizer),
                      "expected_batch_size", None)
-  if ledger is None or expected is None:
+  if (ledger is None or expected is None or in_fit
+      or ledger.recorder is not None or ledger.declared_poisson):
     return
-  with tf.init_scope():
-    registered = ledger.state().poisson_examples
-  if not registered:
-    raise ValueError(
-        f"{optimizer.name} has expected_batch_size={expected}: its ε assumes "
-        "Poisson batches, which fit checks of the dataset it is given and "
-        "train_on_batch or a custom loop must declare. Call "
-        "tf_dpadambc.register_dataset(optimizer, batches) with the dataset of "
-        "tf_dpadambc.data.poisson_batches the batches come from, before "
-        "training (or fit on that dataset). For fixed-size batches, drop "
-        "expected_batch_size.")
+  raise ValueError(
+      f"{optimizer.name} has expected_batch_size={expected}: its ε assumes "
+      "Poisson batches, which fit checks of the dataset it is given and "
+      "train_on_batch or a custom loop must declare. Call "
+      "tf_dpadambc.register_dataset(optimizer, batches) with the dataset of "
+      "tf_dpadambc.data.poisson_batches the batches come from, before "
+      "training (or fit on that dataset). For fixed-size batches, drop "
+      "expected_batch_size.")
 
 
 def is_recording(optimizer):

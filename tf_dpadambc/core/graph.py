@@ -323,3 +323,68 @@ def outside_data(ops, own, data, held=()):
         found.append(f"{tensor.name} ({source})" if tensor.op is op else
                      f"{op.name} ({op.type}) reads {tensor.name} ({source})")
   return found
+
+
+def _origin(tensor, cache):
+  """A key of what ``tensor`` is, followed out through captures: the eager
+  tensor (a variable's handle) it was captured from, or the outermost
+  graph's tensor. Functions nested in a step capture a variable's handle
+  from eager each, so two graphs' handles agree only there."""
+  while True:
+    if not tf.is_symbolic_tensor(tensor):
+      return ("eager", id(tensor))
+    external = _captures(tensor.graph, cache).get(id(tensor))
+    if external is None:
+      return _key(tensor)
+    if not tf.is_symbolic_tensor(external):
+      return ("eager", id(external))
+    tensor = external
+
+
+def ops_before(trace, count=None):
+  """The ops a trace has created so far (its first ``count``), and all
+  those of the graphs enclosing it (a function nested in a step: pfor
+  under XLA, a map_fn loop body), which were created before it."""
+  ops = trace.get_operations()
+  ops, outer = ops[:len(ops) if count is None else count], trace
+  while getattr(outer, "outer_graph", None) is not None:
+    outer = outer.outer_graph
+    ops += outer.get_operations()
+  return ops
+
+
+def written_from_data(ops, before, data, held=(), handles=(), trained=()):
+  """Writes, among the ops ``before`` (those a traced step created before
+  the unit function ``ops``), to a variable the unit function reads (or
+  one of ``handles``, variables' resource tensors), of a value computed
+  from ``data``, a function input or another stateful op's output
+  (:func:`outside_data`'s sources): a train step that assigns the batch to
+  a variable its per-unit loss reads hands every unit the other examples
+  (a review: 11 C/B for a bound of 2 C/B). A list of op names. The
+  ``trained`` variables' handles are left out: an earlier private step in
+  the same trace updates them from its (noised) release.
+
+  Only what one trace shows: a write made eagerly before the step, or in
+  an earlier step, is not seen.
+  """
+  cache = {}
+  read = {_origin(handle, cache) for handle in handles}
+  for op in ops:
+    for tensor in op.inputs:
+      if tensor.dtype == tf.resource:
+        read.add(_origin(tensor, cache))
+  read -= {_origin(handle, cache) for handle in trained}
+  data = {_key(t) for t in data}
+  held = {id(t) for t in held}
+  found = []
+  for op in before:
+    if not _writes_variable(op.type) or not op.inputs:
+      continue
+    handle = op.inputs[0]
+    if handle.dtype != tf.resource or _origin(handle, cache) not in read:
+      continue
+    for value in op.inputs[1:]:
+      if _outside_source(value, data, held, set(), cache) is not None:
+        found.append(f"{op.name} ({op.type})")
+        break
+  return found

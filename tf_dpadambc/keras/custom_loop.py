@@ -27,10 +27,34 @@ import keras
 import tensorflow as tf
 
 from tf_dpadambc.accounting import ledger
+from tf_dpadambc.core import graph
 from tf_dpadambc.keras import replicas
 from tf_dpadambc.keras import training
 from tf_dpadambc.keras import validation
 from tf_dpadambc.keras.optimizers import base
+
+
+def _check_no_batch_in_model(model, data):
+  """Raises ValueError if the traced loop wrote the batch into one of the
+  model's variables before this step (a memory bank, a batch context):
+  every unit's evaluation reads it, so one example reaches all units (a
+  review: 11 C/B for a bound of 2 C/B). Only what the trace shows; a write
+  made eagerly, or in an earlier step, is the loop's own responsibility."""
+  if tf.executing_eagerly():
+    return
+  # Not the trainable ones: an earlier step in the same trace updates them.
+  handles = [getattr(v.value, "handle", None)
+             for v in model.non_trainable_variables]
+  writes = graph.written_from_data(
+      [], graph.ops_before(tf.compat.v1.get_default_graph()),
+      tf.nest.flatten(data), handles=[h for h in handles if h is not None])
+  if writes:
+    raise ValueError(
+        f"The loop wrote the batch into a variable of '{model.name}' before "
+        f"private_step ({', '.join(writes[:3])}): each example's evaluation "
+        "reads it, so one example reaches every unit's gradient, beyond what "
+        "clipping bounds. Pass per-batch context as input features of each "
+        "example instead.")
 
 
 def register_dataset(optimizer, dataset):
@@ -49,7 +73,7 @@ def register_dataset(optimizer, dataset):
       for batch in batches:
         step(batch)
   """
-  ledger.check_poisson_data(optimizer, dataset)
+  ledger.declare_poisson_dataset(optimizer, dataset)
   return dataset
 
 
@@ -103,6 +127,7 @@ def private_step(model, data, optimizer=None):
   replicated = training._check_strategy(strategy, optimizer)  # pylint: disable=protected-access
   validation.check_model(model)
   training.check_overrides(model)  # the compiled loss is what runs here
+  _check_no_batch_in_model(model, data)
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   poisson = optimizer.expected_batch_size is not None
   if poisson and sample_weight is None:

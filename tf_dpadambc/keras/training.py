@@ -821,6 +821,23 @@ def _compile_without_loss_scaling(model):
   object.__setattr__(model, "compile", compile)
 
 
+def declared_train_on_batch(model):
+  """Wraps ``model.train_on_batch``: a Poisson optimizer trains on batches
+  that ``fit`` never checks only after ``tf_dpadambc.register_dataset``
+  (``accounting.ledger.require_poisson_dataset``; the step traced by an
+  earlier fit is reused, so the trace-time check alone would not run)."""
+  train_on_batch = model.train_on_batch
+  if getattr(train_on_batch, "_tf_dpadambc_checked", False):
+    return
+
+  def checked(*args, **kwargs):
+    ledger.require_poisson_dataset(getattr(model, "optimizer", None))
+    return train_on_batch(*args, **kwargs)
+  checked._tf_dpadambc_checked = True  # pylint: disable=protected-access
+  checked.__doc__ = train_on_batch.__doc__
+  object.__setattr__(model, "train_on_batch", checked)
+
+
 def check_overrides(model):
   """Raises ValueError if the model's class overrides ``train_step`` or
   ``compute_loss``: the private step replaces the first and evaluates the
@@ -914,6 +931,7 @@ def make_private(model, clipping="auto", loss_scale=None):
     _checked_train_function(model)
     replicas.refuse_fit_across_workers(model)
     validation.refuse_log_driven_callbacks(model)
+    declared_train_on_batch(model)
     ledger.track_fit(model)  # epochs and their batches, for the accounting
     record.private = True
   object.__setattr__(model, "train_step",

@@ -26,8 +26,8 @@ from tf_dpadambc.keras import training
 from tf_dpadambc.keras import validation
 
 _GUARDED = "_tf_dpadambc_fit_guarded"
-# Frames searched for the running fit above the traced step (~20 deep).
-_MAX_FRAMES = 80
+# Frames searched for the running fit, from the top of each thread's stack.
+_MAX_FRAMES = 200
 _FIT_SIGNATURE = inspect.signature(tf_keras.Model.fit)
 
 
@@ -51,7 +51,7 @@ def on_step(model, optimizer):
       if running is not None:
         _check_fit(optimizer, running)
       # fit checked its dataset; train_on_batch or a custom loop declares.
-      ledger.require_poisson_dataset(optimizer)
+      ledger.require_poisson_dataset(optimizer, in_fit=running is not None)
     except ValueError:
       # Refused inside the first trace, which may have created variables:
       # the next fit makes a new train function instead of retracing it.
@@ -73,16 +73,20 @@ def _check_fit(optimizer, arguments):
 
 def _running_fit(model):
   """The arguments of tf_keras ``Model.fit`` running for ``model`` (the
-  frame of its own code, ``self`` the model), or None."""
-  frame = sys._getframe(2)  # pylint: disable=protected-access
-  for _ in range(_MAX_FRAMES):
-    if frame is None:
-      return None
-    code = frame.f_code
-    if (code.co_name == "fit" and frame.f_locals.get("self") is model
-        and "tf_keras" in code.co_filename):
-      return frame.f_locals
-    frame = frame.f_back
+  frame of its own code, ``self`` the model), or None. In every thread: a
+  tf.distribute strategy (MirroredStrategy, also on one device) traces the
+  step in a replica thread while fit waits in the caller's (a review: its
+  first fit went unchecked, TerminateOnNaN included)."""
+  for top in sys._current_frames().values():  # pylint: disable=protected-access
+    frame = top
+    for _ in range(_MAX_FRAMES):
+      if frame is None:
+        break
+      code = frame.f_code
+      if (code.co_name == "fit" and frame.f_locals.get("self") is model
+          and "tf_keras" in code.co_filename):
+        return frame.f_locals
+      frame = frame.f_back
   return None
 
 
@@ -103,4 +107,5 @@ def _guard_fit(model):
   guarded_fit.__doc__ = fit.__doc__
   # object.__setattr__: out of tf_keras' tracking and of saved models.
   object.__setattr__(model, "fit", guarded_fit)
+  training.declared_train_on_batch(model)
   object.__setattr__(model, _GUARDED, True)

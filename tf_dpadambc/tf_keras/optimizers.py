@@ -183,7 +183,7 @@ _FORWARDED = (
     "l2_norm_clip", "noise_multiplier", "num_microbatches",
     "accumulation_steps", "seed", "clipping", "noise", "sensitivity",
     "is_private", "is_correlated", "built", "noise_variance", "diagnostics",
-    "steps_taken", "logical_batch_size", "dp_event",
+    "steps_taken", "logical_batch_size", "dp_event", "expected_batch_size",
     "effective_noise_multiplier", "accounted_noise_multiplier",
     "accounting_reason", "logical_steps_per_epoch", "clip_spec",
     "exclude_from_weight_decay")
@@ -689,11 +689,19 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         grads = [tf.convert_to_tensor(g) for g in tape.gradient(
             loss, var_list,
             unconnected_gradients=tf.UnconnectedGradients.ZERO)]
-      ops = trace.get_operations()[start:]
+      everything = trace.get_operations()
+      ops = everything[start:]
       recorded.extend(ops)
       # While the trace is open: its captures say what came from outside.
       reads.extend(_inspect(graph.outside_data)(
           ops, unit_leaves, [leaves[i] for i in present], held))
+      # And what the step wrote from the batch before, where units read it.
+      reads.extend(f"{write} writes the batch into a variable the loss reads"
+                   for write in _inspect(graph.written_from_data)(
+                       ops, graph.ops_before(trace, start),
+                       [leaves[i] for i in present], held,
+                       trained=[v.handle for v in var_list or []
+                                if hasattr(v, "handle")]))
       return grads, tf.cast(loss, tf.float32)
 
     signature = ([tf.TensorSpec(v.shape, v.dtype.base_dtype)
@@ -714,14 +722,14 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         # No vectorization rule for an op (or a pfor bug): the next way.
         errors.append(f"{how}: {type(error).__name__}: {error}")
         continue
-      if reads:
-        raise ValueError(_OUTSIDE_DATA_ERROR.format(
-            reads="; ".join(sorted(set(reads))[:3])))
       writes = _compat.state_writes(recorded, model)
       if how != "vectorized":  # units one after another: no Python state
         writes += graph.python_calls(recorded)
-      if writes:
+      if writes:  # (first: a model that writes state says so)
         raise ValueError(_STATE_ERROR.format(ops=", ".join(writes[:5])))
+      if reads:
+        raise ValueError(_OUTSIDE_DATA_ERROR.format(
+            reads="; ".join(sorted(set(reads))[:3])))
       return (None if var_list is None else grads), losses, recorded, how
     if reads:  # (the more basic refusal, whether or not a way worked)
       raise ValueError(_OUTSIDE_DATA_ERROR.format(
