@@ -845,6 +845,16 @@ class _Carry(keras.layers.Layer):
       return inputs + 1e-3 * tf.cast(state[0] % 7, inputs.dtype)
 
 
+def _assert_fit_refused(model, match):
+  """fit on one batch raises ValueError(match) before any weight moves."""
+  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
+  before = model.get_weights()
+  with pytest.raises(ValueError, match=match):
+    model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)
+  for w, w0 in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(w, w0)
+
+
 @pytest.mark.parametrize("kind", ["hash table", "random generator"])
 @pytest.mark.parametrize("recurrent", [False, True])
 def test_state_other_than_variables_is_refused(kind, recurrent):
@@ -855,12 +865,7 @@ def test_state_other_than_variables_is_refused(kind, recurrent):
                           clipping="vectorized")
   model.compile(optimizer=dp.DPSGD(C, 0.0, learning_rate=1.0), loss=LOSS,
                 jit_compile=False)
-  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
-  before = model.get_weights()
-  with pytest.raises(ValueError, match="state"):
-    model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)
-  for w, w0 in zip(model.get_weights(), before):
-    np.testing.assert_array_equal(w, w0)
+  _assert_fit_refused(model, "state")
 
 
 def test_the_steps_own_ops_are_checked_not_only_a_separate_trace(
@@ -916,12 +921,7 @@ def test_channels_through_allowed_looking_ops_are_refused(kind):
   model = dp.make_private(keras.Model(inputs, _head(layer(inputs))))
   model.compile(optimizer=dp.DPSGD(C, 0.0, learning_rate=1.0), loss=LOSS,
                 metrics=[metric], jit_compile=False)
-  x = np.random.default_rng(0).normal(size=(B, T, P)).astype("float32")
-  before = model.get_weights()
-  with pytest.raises(ValueError, match="state|not the model's"):
-    model.fit(x, np.zeros(B, "int32"), batch_size=B, verbose=0)
-  for w, w0 in zip(model.get_weights(), before):
-    np.testing.assert_array_equal(w, w0)
+  _assert_fit_refused(model, "state|not the model's")
 
 
 class _WritesWhenEager(keras.layers.Layer):

@@ -3,6 +3,7 @@
 Statistical tests state their tolerance in standard errors (SE); with the
 fixed seeds used they are deterministic.
 """
+import contextlib
 import math
 import warnings
 
@@ -170,25 +171,38 @@ def _seed_with_size_far_from_b():
   raise AssertionError("no seed found")
 
 
-def test_a_custom_loop_declares_its_poisson_batches():
-  # A review's custom loop fed a Poisson optimizer fixed-size batches with
-  # unit weights (ε 7.33 reported for 9.01), or Poisson batches of 20 of 40
-  # examples accounted with N = 40 (5.62 for 8.98): fit checks both, a loop
-  # declares its dataset with register_dataset.
+def _poisson_model():
+  """(x, y, a private linear model, its Poisson DPSGD), built."""
   x, y, _ = _problem()
   model = dp.make_private(_linear_model())
   opt = dp.DPSGD(1.0, 1.0, learning_rate=0.1, expected_batch_size=B)
   model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
       from_logits=True))
+  model(x[:1])
+  return x, y, model, opt
+
+
+@contextlib.contextmanager
+def _refused_before_any_step(model, match, steps=0):
+  """The block raises ValueError(match); no weight moved, no step counted."""
   before = [w.copy() for w in model.get_weights()]
-  fixed = (x[:B], y[:B], np.ones(B, "float32"))
-  with pytest.raises(ValueError, match="register_dataset"):
-    dp.private_step(model, fixed)
-  with pytest.raises(ValueError, match="poisson_batches"):
+  with pytest.raises(ValueError, match=match):
+    yield
+  assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+  assert model.optimizer.steps_taken == steps
+
+
+def test_a_custom_loop_declares_its_poisson_batches():
+  # A review's custom loop fed a Poisson optimizer fixed-size batches with
+  # unit weights (ε 7.33 reported for 9.01), or Poisson batches of 20 of 40
+  # examples accounted with N = 40 (5.62 for 8.98): fit checks both, a loop
+  # declares its dataset with register_dataset.
+  x, y, model, opt = _poisson_model()
+  with _refused_before_any_step(model, "register_dataset"):
+    dp.private_step(model, (x[:B], y[:B], np.ones(B, "float32")))
+  with _refused_before_any_step(model, "poisson_batches"):
     dp.register_dataset(opt, tf.data.Dataset.from_tensor_slices(
         (x, y, np.ones(N, "float32"))).batch(B))
-  assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
-  assert opt.steps_taken == 0
   half = N // 2
   batches = dp.register_dataset(opt, data.poisson_batches(
       x[:half], y[:half], expected_batch_size=B, steps_per_epoch=3, seed=0))
@@ -210,27 +224,17 @@ def test_a_custom_loop_declares_its_poisson_batches():
 def test_train_on_batch_declares_its_poisson_batches():
   # train_on_batch runs fit's step on batches fit never sees: with unit
   # weights it claimed the Poisson ε for fixed-size batches.
-  x, y, _ = _problem()
-  model = dp.make_private(_linear_model())
-  opt = dp.DPSGD(1.0, 1.0, learning_rate=0.1, expected_batch_size=B)
-  model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
-      from_logits=True))
-  model(x[:1])
-  before = [w.copy() for w in model.get_weights()]
-  with pytest.raises(ValueError, match="register_dataset"):
+  x, y, model, opt = _poisson_model()
+  with _refused_before_any_step(model, "register_dataset"):
     model.train_on_batch(x[:B], y[:B], sample_weight=np.ones(B, "float32"))
-  assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
-  assert opt.steps_taken == 0
   # A Poisson fit checks its own dataset, not later train_on_batch batches
   # (a review: a Poisson epoch, then fixed-size fine-tuning, all accounted
   # as Poisson: ε 4.33 reported for 12.45).
   model.fit(data.poisson_batches(x, y, expected_batch_size=B,
                                  steps_per_epoch=2, seed=0), verbose=0)
   assert opt.steps_taken == 2
-  before = [w.copy() for w in model.get_weights()]
-  with pytest.raises(ValueError, match="register_dataset"):
+  with _refused_before_any_step(model, "register_dataset", steps=2):
     model.train_on_batch(x[:B], y[:B], sample_weight=np.ones(B, "float32"))
-  assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
   batches = dp.register_dataset(opt, data.poisson_batches(
       x, y, expected_batch_size=B, steps_per_epoch=2, seed=1))
   for xb, yb, wb in batches:
