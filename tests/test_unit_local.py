@@ -6,7 +6,9 @@ all units at once, unit u's ids shifted by u·N: out of [0, N), an id reached
 another unit's slots (one example's rows summed into its neighbours').
 ``core._pfor_compat`` replaces those rules; each must equal the op run on
 every unit alone with its out-of-range entries dropped, with and without
-XLA, and leave the other units exactly as they are.
+XLA, and leave the other units exactly as they are. Roll's rule shifted a
+negative axis by one as given (−1 became the unit axis): it must equal a
+loop over units for every axis in [−r, r).
 """
 import numpy as np
 import pytest
@@ -24,8 +26,10 @@ def test_every_rule_is_installed():
   registry = pfor._pfor_converter_registry  # pylint: disable=protected-access
   for op in _pfor_compat.UNIT_LOCAL_OPS:
     assert registry[op] is _pfor_compat.RULES[op], op
-  assert len(_pfor_compat.UNIT_LOCAL_OPS) == 13
+  assert len(_pfor_compat.UNIT_LOCAL_OPS) == 14
   assert registry["Slice"] is not _pfor_compat.TENSORFLOW_RULES["Slice"]
+  assert registry["Roll"] is _pfor_compat.RULES["Roll"]
+  assert registry["Roll"] is not _pfor_compat.TENSORFLOW_RULES["Roll"]
 
 
 def _unsorted(op):
@@ -164,3 +168,107 @@ def test_the_old_slice_rule_read_the_other_units():
   alone = [x[u, s:].sum() for u, s in enumerate(starts)]
   assert out[1] == alone[1]  # the unit with the smallest start
   assert not np.array_equal(out, alone)  # the others read past their end
+
+
+# ------------------------------------------------------------------- roll
+# (per-unit shape, axis): scalar and vector axes over the whole range
+# [-r, r), negative ones, repeated ones (their shifts add up).
+ROLLS = [
+    ((2, 3, 4), 0), ((2, 3, 4), 2), ((2, 3, 4), -1), ((2, 3, 4), -2),
+    ((2, 3, 4), -3), ((2, 3, 4), [-1, 0]), ((2, 3, 4), [-2, 1, -1]),
+    ((2, 3, 2, 3), -4), ((2, 3, 2, 3), [3, -1]), ((2, 3, 2, 3), [-3, 2, -4]),
+    ((2, 3, 2, 3), [0, 1, 2, 3]),
+]
+
+
+def _roll_inputs(rng):
+  xs = [rng.normal(size=(U,) + shape).astype("float32") for shape, _ in ROLLS]
+  shifts = [rng.integers(-7, 8, size=(U,) + np.shape(axis)).astype("int32")
+            for _, axis in ROLLS]
+  return xs, shifts
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("per_unit", [False, True])
+def test_roll_equals_a_loop_over_units_for_every_axis(per_unit, jit):
+  xs, shifts = _roll_inputs(np.random.default_rng(1))
+  if not per_unit:  # one shift for every unit (a tensor, not a constant)
+    shifts = [s[0] for s in shifts]
+
+  @tf.function(jit_compile=jit)
+  def vectorized(xs, shifts):
+    def unit(a):
+      x, s = a if per_unit else (a, shifts)
+      return [tf.roll(x[i], s[i], axis) for i, (_, axis) in enumerate(ROLLS)]
+    return tf.vectorized_map(unit, (xs, shifts) if per_unit else xs,
+                             fallback_to_while_loop=False)
+  outs = vectorized(xs, shifts)
+  for i, (shape, axis) in enumerate(ROLLS):
+    loop = [tf.roll(xs[i][u], shifts[i][u] if per_unit else shifts[i],
+                    axis).numpy() for u in range(U)]
+    np.testing.assert_array_equal(outs[i].numpy(), np.stack(loop),
+                                  err_msg=f"rank {len(shape)} axis {axis}")
+
+
+def test_roll_with_a_dynamic_axis():
+  # An axis known only when run: in range it equals a loop; out of range it
+  # rolls nothing (a loop would fail) and never moves data between units.
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(U, 2, 3, 4)).astype("float32")
+  shifts = rng.integers(-5, 6, size=(U, 2)).astype("int32")
+
+  @tf.function(input_signature=[tf.TensorSpec([2], tf.int32)] * 2)
+  def vectorized(axis, shared):
+    per_unit = tf.vectorized_map(lambda a: tf.roll(a[0], a[1], axis),
+                                 (x, shifts), fallback_to_while_loop=False)
+    invariant = tf.vectorized_map(lambda a: tf.roll(a, shared, axis), x,
+                                  fallback_to_while_loop=False)
+    return per_unit, invariant
+  for axis in ([-1, -3], [2, -1], [-2, 0]):
+    per_unit, invariant = vectorized(tf.constant(axis), shifts[0])
+    np.testing.assert_array_equal(per_unit.numpy(), np.stack(
+        [tf.roll(x[u], shifts[u], axis) for u in range(U)]), err_msg=axis)
+    np.testing.assert_array_equal(invariant.numpy(), np.stack(
+        [tf.roll(x[u], shifts[0], axis) for u in range(U)]), err_msg=axis)
+  per_unit, invariant = vectorized(tf.constant([-1, 3]), shifts[0])
+  np.testing.assert_array_equal(per_unit.numpy(), np.stack(
+      [tf.roll(x[u], shifts[u, 0], -1) for u in range(U)]))
+  np.testing.assert_array_equal(invariant.numpy(),
+                                tf.roll(x, shifts[0, 0], -1).numpy())
+
+
+@pytest.mark.parametrize("axis", [3, -4, [0, 3], [-1, -5]])
+def test_a_static_roll_axis_out_of_range_is_refused(axis):
+  x = np.zeros((U, 2, 3, 4), "float32")
+  with pytest.raises(ValueError, match="out of range for the per-example"):
+    tf.vectorized_map(lambda t: tf.roll(t, np.ones(np.shape(axis), "int32"),
+                                        axis), x)
+
+
+def test_the_old_roll_rule_mixed_the_units():
+  # What the replaced rule did (kept here so the test above can fail): it
+  # rolled the stacked tensor along axis + 1, so -1 rolled the units
+  # themselves, and its per-unit segment ids u·r + axis gave unit u's shift
+  # to unit u - 1.
+  x = np.arange(U * 3, dtype="float32").reshape(U, 1, 3)
+  shifts = np.array([0, 1, 0, 0], "int32")
+  registry = pfor._pfor_converter_registry  # pylint: disable=protected-access
+  ours = registry["Roll"]
+  registry["Roll"] = _pfor_compat.TENSORFLOW_RULES["Roll"]
+  try:
+    shared = tf.vectorized_map(lambda t: tf.roll(t, 1, -1), x).numpy()
+    per_unit = tf.vectorized_map(lambda a: tf.roll(a[0], a[1], -1),
+                                 (x, shifts)).numpy()
+  finally:
+    registry["Roll"] = ours
+  np.testing.assert_array_equal(shared, np.roll(x, 1, 0))  # across units
+  loop = np.stack([np.roll(x[u], shifts[u], -1) for u in range(U)])
+  assert not np.array_equal(per_unit, loop)
+  np.testing.assert_array_equal(  # unit 0 rolled by unit 1's shift
+      per_unit[0], np.roll(x[0], shifts[1], -1))
+  np.testing.assert_array_equal(
+      tf.vectorized_map(lambda a: tf.roll(a[0], a[1], -1),
+                        (x, shifts)).numpy(), loop)
+  np.testing.assert_array_equal(
+      tf.vectorized_map(lambda t: tf.roll(t, 1, -1), x).numpy(),
+      np.roll(x, 1, -1))

@@ -3,9 +3,9 @@ rules, for rules that keep every unit to its own data.
 
 Per-unit evaluation (``tf.vectorized_map``) is what makes per-example clipping
 exact by construction, so it must compute, for each unit, what a loop over
-the units would: nothing of one unit may reach another's result. Two
-families of TensorFlow 2.21's rules broke that; a third rule computes wrong
-values.
+the units would: nothing of one unit may reach another's result. Three of
+TensorFlow 2.21's rules (or families of rules) broke that; a fourth
+computes wrong values.
 
 **Segment and gather-gradient ops.** pfor vectorizes ``UnsortedSegment*``,
 ``SparseSegment*`` and ``SparseSegment*Grad`` as one op over the flattened
@@ -31,6 +31,19 @@ refuses that case (an error when traced; the tf_keras adapter then loops
 over units with ``tf.map_fn``) and keeps TensorFlow's rule where the size is
 a fixed shape, the same for every unit.
 
+**Roll with a negative axis.** TensorFlow's rule rolls the stacked tensor
+along ``axis + 1`` as given: a negative axis then names the next axis, and
+−1 the unit axis itself, so an ordinary augmentation
+(``keras.ops.roll(x, shift, axis=-1)``) rotated the examples of a batch
+into each other's places (3.5–4C against a 2C bound in a review); with a
+shift per unit its segment ids u·r + axis put unit u's shifts in unit
+u − 1's slots. The rule here first brings every axis to the unit's own
+range [0, r) (r its rank), then applies TensorFlow's algorithm (``roll``
+along axis + 1 for a shift shared by all units; per-unit offsets and a
+``gather_nd`` within each unit otherwise). A static axis out of range is an
+error when traced, as in a loop over units; a dynamic one rolls nothing
+(its shift masked to 0) rather than fail when run.
+
 **BatchMatMulV2.** In TensorFlow 2.21 on CPU with oneDNN, a batched matmul
 whose batch axes broadcast (e.g. [U, 1, T, p] times a kernel [p, d]) returns
 wrong values, nan, or corrupts the heap. pfor's own rule produces exactly
@@ -41,11 +54,13 @@ here multiplies a unit-stacked [U, ..., m, k] by a loop-invariant matrix
 kernel) and leaves every other case to TensorFlow's rule.
 
 ``tests/test_unit_local.py`` checks that every entry is installed, that
-each segment rule equals a loop over units and leaks nothing, and that the
-slice is refused (and what TensorFlow's rules did);
+each segment rule and roll (every axis, shared and per-unit shifts) equal a
+loop over units and leak nothing, and that the slice is refused (and what
+TensorFlow's rules did);
 ``tests/test_ghost.py`` that EinsumDense and MultiHeadAttention vectorize
 exactly.
 """
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops.parallel_for import pfor as _pfor
 
@@ -208,6 +223,72 @@ def _sparse_segment_grad(kind):
   return convert
 
 
+# ------------------------------------------------------------------- roll
+def _roll_axes(t, axis):
+  """Roll's axes (scalar or vector) as a vector in the per-unit range
+  [0, r) of the unit-stacked ``t`` (r = its rank − 1), and where each one
+  was in [−r, r) at all (None: all, known when traced). A static axis out
+  of range is an error here (a loop over units fails too); a dynamic one is
+  reported as not ``valid``, its shift masked to 0 by the caller: it rolls
+  nothing, where a loop would fail when run, and never moves data between
+  units."""
+  rank = t.shape.rank
+  static = tf.get_static_value(axis)
+  if static is not None and rank is not None:
+    r = rank - 1
+    flat = np.reshape(np.asarray(static, np.int64), [-1])
+    bad = flat[(flat < -r) | (flat >= r)]
+    if bad.size:
+      raise ValueError(
+          f"tf.roll with axis {static.tolist()} out of range for the "
+          f"per-example rank {r} (the axes must lie in [{-r}, {r})): "
+          f"tf.vectorized_map evaluates the op on each example alone, where "
+          f"this axis does not exist.")
+    return np.where(flat < 0, flat + r, flat), None
+  r = tf.cast(tf.rank(t) - 1, tf.int64)
+  flat = tf.reshape(tf.cast(axis, tf.int64), [-1])
+  valid = (flat >= -r) & (flat < r)
+  flat = tf.where(flat < 0, flat + r, flat)
+  return tf.where(valid, flat, tf.zeros_like(flat)), valid
+
+
+def _roll(pfor_input):
+  """Roll(input, shift, axis), every axis normalized to the unit's own
+  range before it is shifted past the unit axis. TensorFlow's rule added 1
+  to the axis as given: a negative one then named the next axis, −1 the
+  unit axis itself (one example's data rolled into another's place); with a
+  shift per unit its segment ids u·r + axis put unit u's shift in unit
+  u − 1's slots."""
+  t = pfor_input.stacked_input(0)
+  shift, shift_stacked, _ = pfor_input.input(1)
+  axis, valid = _roll_axes(t, pfor_input.unstacked_input(2))
+  if not shift_stacked:
+    shift = tf.reshape(shift, [-1])
+    if valid is not None:
+      shift = tf.where(valid, shift, tf.zeros_like(shift))
+    return _pfor.wrap(tf.roll(t, shift, axis + 1), True)
+  # TensorFlow's algorithm with the normalized axes: each unit's shifts
+  # summed per axis into its own r slots (an invalid axis's entry dropped,
+  # id −1), then every result element gathered from its source coordinate
+  # within the same unit.
+  units = tf.cast(pfor_input.pfor.loop_len_vector[0], tf.int64)
+  r = tf.cast(tf.rank(t) - 1, tf.int64)
+  shift = tf.cast(tf.reshape(shift, [units, -1]), tf.int64)
+  ids = tf.range(units)[:, tf.newaxis] * r + axis[tf.newaxis, :]
+  if valid is not None:
+    ids = tf.where(valid[tf.newaxis, :], ids, -tf.ones_like(ids))
+  offsets = tf.reshape(
+      tf.math.unsorted_segment_sum(shift, ids, units * r), [units, r])
+  shape = tf.shape(t, out_type=tf.int64)[1:]
+  cumsize = tf.math.cumprod(shape, exclusive=True, reverse=True)
+  elements = tf.range(tf.reduce_prod(shape))
+  coordinates = ((elements[tf.newaxis, :, tf.newaxis]
+                  // cumsize[tf.newaxis, tf.newaxis, :]
+                  - offsets[:, tf.newaxis, :]) % shape[tf.newaxis, tf.newaxis])
+  out = tf.gather_nd(t, coordinates, batch_dims=1)
+  return _pfor.wrap(tf.reshape(out, tf.shape(t)), True)
+
+
 RULES = {
     "UnsortedSegmentSum": _unsorted_segment(tf.math.unsorted_segment_sum),
     "UnsortedSegmentMax": _unsorted_segment(tf.math.unsorted_segment_max),
@@ -222,6 +303,7 @@ RULES = {
     "SparseSegmentSumGrad": _sparse_segment_grad("sum"),
     "SparseSegmentMeanGrad": _sparse_segment_grad("mean"),
     "SparseSegmentSqrtNGrad": _sparse_segment_grad("sqrt_n"),
+    "Roll": _roll,
 }
 UNIT_LOCAL_OPS = tuple(RULES)
 TENSORFLOW_RULES = {}  # what install() replaced (tests show they leaked)
