@@ -32,7 +32,7 @@ from tf_dpadambc.core import per_example
 ClippedSum = collections.namedtuple(
     "ClippedSum",
     ["grads", "norms", "num_clipped", "num_nonfinite", "mismatch",
-     "square_grads"], defaults=[None])
+     "square_grads", "sensitivity"], defaults=[None, None])
 ClippedSum.__doc__ = """Σ_u clip_C(g_u) with what the clipping did.
 
 grads: list of tensors shaped like the parameters, Σ_u clip_C(g_u).
@@ -40,15 +40,26 @@ norms: [U] per-unit gradient norms before clipping (inf/nan where not finite).
 num_clipped: number of units with ‖g_u‖ > C (scaled down).
 num_nonfinite: number of units whose gradient was not finite (zeroed).
 mismatch: True if the step could not be verified (the train step's
-  batch-consistency check failed); ``grads`` are then all zero.
+  batch-consistency check failed): a diagnostic the host raises on; the
+  sums are released all the same (each unit was evaluated alone, and a
+  release gated on a check of the whole batch would not be private).
 square_grads: Σ_u clip(g_u)⊙clip(g_u) when the spec asks for it, else None.
+sensitivity: the L2 bound of every unit's contribution to ``grads`` that
+  the clipping guarantees — the :attr:`ClipSpec.sensitivity` it was clipped
+  with (C, ‖(C_k)‖₂; a float or a scalar tensor, e.g. DP²'s phase-dependent
+  bound). ``DPOptimizer.apply_private`` refuses (or, for a bound known only
+  at run time, scales down) a sum whose bound exceeds the sensitivity its
+  noise is calibrated to. None: not recorded — :func:`assume_clipped`
+  without one, where the caller states the units were clipped at the
+  optimizer's own bound.
 
 Under a :class:`ClipSpec` with a scale s, ``grads`` is Σ_u clip(s⊙g_u), in
-the scaled coordinates, and ``norms`` are ‖s⊙g_u‖.
+the scaled coordinates, ``norms`` are ‖s⊙g_u‖ and ``sensitivity`` is the
+bound in those coordinates (the one the optimizer's noise is added in).
 """
 
 
-def assume_clipped(grads, square_grads=None):
+def assume_clipped(grads, square_grads=None, sensitivity=None):
   """A :data:`ClippedSum` of sums the caller vouches for: Σ_u clip_C(g_u)
   (and Σ_u clip(g_u)² where JME needs it) computed elsewhere, e.g. by a
   pipeline that clips each unit itself, or known values in a test.
@@ -57,11 +68,90 @@ def assume_clipped(grads, square_grads=None):
   ``private_gradient_sum``, :func:`materialized_clipped_sum` and
   ``apply_per_unit`` return), so that raw gradients are never released as
   if clipped by mistake: this function is the caller saying so by name.
+
+  ``sensitivity``: the bound the caller clipped every unit to, checked
+  against the optimizer's like a computed sum's. None (the default): the
+  caller states that it is the bound the optimizer's noise is calibrated
+  to, ``optimizer.clip_spec(variables).sensitivity`` of the step it is fed
+  to (not checked: the statement is the caller's).
   """
   return ClippedSum(
       grads=list(grads), norms=None, num_clipped=0, num_nonfinite=0,
       mismatch=False,
-      square_grads=None if square_grads is None else list(square_grads))
+      square_grads=None if square_grads is None else list(square_grads),
+      sensitivity=None if sensitivity is None else recorded(sensitivity))
+
+
+def recorded(sensitivity):
+  """The ``ClippedSum.sensitivity`` of a sum clipped to ``sensitivity`` (a
+  :attr:`ClipSpec.sensitivity`): a tensor as it is (the clipping used its
+  value), a number as a float64 constant — exact, and kept so through a
+  ``tf.function``'s outputs, which would round a Python float to float32
+  (0.1 to 0.1000000015, above an optimizer's C = 0.1)."""
+  if tf.is_tensor(sensitivity):
+    return sensitivity
+  return tf.constant(float(sensitivity), tf.float64)
+
+
+def recorded_sensitivity(result):
+  """The bound ``result`` (a :data:`ClippedSum`) records for each unit: a
+  Python float where it is known when traced, else a float64 scalar tensor;
+  None where none is recorded (:func:`assume_clipped`).
+
+  Replicas' sums released together (``keras.replicas``) record one bound
+  per replica: the largest (of this worker's) bounds them all."""
+  bound = result.sensitivity
+  if bound is None:
+    return None
+  if isinstance(bound, tf.distribute.DistributedValues):
+    local = tf.distribute.get_strategy().experimental_local_results(bound)
+  else:
+    local = [bound]
+  known = [static_scalar(b) for b in local]
+  if all(k is not None for k in known):
+    return max(known)
+  return tf.reduce_max(tf.stack([tf.cast(b, tf.float64) for b in local]))
+
+
+def static_scalar(value):
+  """``value`` (a number or a scalar tensor) as a Python float where it is
+  known when traced (eagerly, a constant), else None (a variable: what it
+  holds when the step runs)."""
+  if hasattr(value, "assign"):
+    return None
+  if tf.is_tensor(value):
+    value = tf.get_static_value(value)
+    if value is None:
+      return None
+  return float(value)
+
+
+def rescaled_to(result, bound, sensitivity):
+  """``result`` whose units are bound by ``bound``, each bound by
+  ``sensitivity`` in the data flow (for bounds known only at run time).
+
+  Σ_u x_u with every ‖x_u‖ ≤ b, times f = min(1, Δ/b), is a sum of units
+  f·x_u, each ≤ Δ: the release calibrated to Δ is exactly private whatever
+  the two bounds are when the step runs (an assert would not do: XLA drops
+  it). f = 1 (bit for bit the same sum) where b ≤ Δ; 0 where b is not a
+  number. The squares (JME) are the units' squares: scaled by f².
+  The returned ClippedSum records ``sensitivity``.
+  """
+  bound = tf.cast(bound, tf.float64)
+  target = tf.cast(sensitivity, tf.float64)
+  factor = tf.where(bound <= target, tf.ones_like(target),
+                    tf.where(bound > target, target / bound,
+                             tf.zeros_like(target)))
+
+  def scaled(tensors, f):
+    if tensors is None:
+      return None
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    return [t * tf.cast(f, t.dtype) for t in tensors]
+  return result._replace(grads=scaled(result.grads, factor),
+                         square_grads=scaled(result.square_grads,
+                                             factor * factor),
+                         sensitivity=sensitivity)
 
 
 class ClipSpec(collections.namedtuple(
@@ -203,8 +293,11 @@ def materialized_clipped_sum(per_unit_grads, clip):
     was_clipped = tf.reduce_any(tf.stack([p[2] for p in parts]), axis=0)
   squares = ([_sum_over_units(tf.square(c)) for c in clipped]
              if spec.square_sum else None)
+  # Every clipped unit is ≤ C (‖(C_k)‖₂ per layer) to ≈2⁻⁵⁰ relative, in
+  # float64 (clip_per_unit), and summed in float64: the spec's bound.
   return _summary([_sum_over_units(c) for c in clipped], norms,
-                  was_clipped, ok, square_grads=squares)
+                  was_clipped, ok, square_grads=squares,
+                  sensitivity=recorded(spec.sensitivity))
 
 
 def _sum_over_units(t):
@@ -267,11 +360,12 @@ def _materialized(unit_loss_fn, params, units, spec):
   return materialized_clipped_sum(grads, spec), losses, aux
 
 
-def _summary(grads, norms, was_clipped, ok, mismatch=False, square_grads=None):
+def _summary(grads, norms, was_clipped, ok, mismatch=False, square_grads=None,
+             sensitivity=None):
   num_clipped = tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32))
   num_nonfinite = tf.reduce_sum(tf.cast(~ok, tf.int32))
   return ClippedSum(list(grads), norms, num_clipped, num_nonfinite,
-                    tf.convert_to_tensor(mismatch), square_grads)
+                    tf.convert_to_tensor(mismatch), square_grads, sensitivity)
 
 
 def _expand_as(per_unit, t):

@@ -424,8 +424,11 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
       PlanEntry(rule.layer.name, type(rule.layer).__name__,
                 rule.plan() if rule.calls else "not called")
       for rule in rules)
+  # The factors clip at C/shrink; with the float32 rounding the shrink pays
+  # for, every unit is within the spec's bound C (‖(C_k)‖₂): what it records.
   result = clipping.ClippedSum(
       grads, tf.cast(norms, unit_losses.dtype),
       tf.reduce_sum(tf.cast(ok & was_clipped, tf.int32)),
-      tf.reduce_sum(tf.cast(~ok, tf.int32)), tf.constant(False), squares)
+      tf.reduce_sum(tf.cast(~ok, tf.int32)), tf.constant(False), squares,
+      clipping.recorded(spec.sensitivity))
   return result, unit_losses, y_pred, plan

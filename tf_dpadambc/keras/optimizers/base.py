@@ -309,7 +309,18 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
     or ``clipping.assume_clipped(sums)`` where the caller clipped each unit
     itself. A plain list of tensors is refused: raw gradients released as a
     clipped sum have no bounded sensitivity (a review: 7,286 times the bound,
-    counted as private steps)."""
+    counted as private steps).
+
+    The sum must be clipped at this step's bound, the one the noise is
+    calibrated to (``clip_spec(variables).sensitivity``: C, ‖(C_k)‖₂, DP²'s
+    C1 or C2 by phase). A sum that records a larger bound
+    (``ClippedSum.sensitivity``) is refused (``ValueError``) when both are
+    known when traced; where one is known only at run time (a spec kept
+    across DP²'s phases in a compiled step) the sum is scaled by
+    min(1, Δ/bound), so that every unit is within Δ (a review: a sum
+    clipped at 100C moved the release by 141C, accounted at C).
+
+    Returns the ``ClippedSum`` fed (scaled where it had to be)."""
     if self.privatizer.clips_records:
       raise TypeError(
           f"{self.name} privatizes with a DPQuery, which clips each unit "
@@ -326,11 +337,41 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
     # iterator ends inside a compiled step, nothing runs (Keras would still
     # advance `iterations`, counting a step that released nothing).
     with _after_inputs(clipped_sum, clipped_square_sum, num_units):
-      clipped_sum, clipped_square_sum = (
-          clipped_sum.grads, clipped_sum.square_grads
-          if clipped_sum.square_grads is not None else clipped_square_sum)
-      self._feed(clipped_sum, clipped_square_sum, num_units, num_examples,
-                 trainable_variables)
+      if clipped_sum.square_grads is None and clipped_square_sum is not None:
+        clipped_sum = clipped_sum._replace(
+            square_grads=list(clipped_square_sum))
+      clipped_sum = self._within_step_sensitivity(
+          clipped_sum, self._step_sensitivity())
+      self._feed(clipped_sum.grads, clipped_sum.square_grads, num_units,
+                 num_examples, trainable_variables)
+    return clipped_sum
+
+  def _within_step_sensitivity(self, result, sensitivity):
+    """``result`` (a ClippedSum) if its units are within ``sensitivity``, the
+    bound this step's noise is calibrated to; raises if its recorded bound is
+    larger and both are known when traced; else scaled in the data flow
+    (``clipping.rescaled_to``). A sum that records no bound
+    (``clipping.assume_clipped``) is the caller's statement that it is this
+    one."""
+    bound = clipping.recorded_sensitivity(result)
+    if bound is None or sensitivity is None:
+      return result
+    known = clipping.static_scalar(sensitivity)
+    if isinstance(bound, float) and known is not None:
+      if not bound <= known:
+        raise ValueError(
+            f"{self.name} adds noise for a per-unit sensitivity of "
+            f"{known:.6g} this step, and this ClippedSum was clipped to "
+            f"{bound:.6g}: releasing it would not be private at the "
+            "accounted ε. Compute the sum with "
+            "optimizer.clip_spec(model.trainable_variables) in the same "
+            "step, e.g. tf_dpadambc.private_gradient_sum(model, x, y, "
+            "sample_weight, optimizer.clip_spec(model.trainable_variables))"
+            " — the optimizer's bound can change between steps (DP²'s "
+            "phases, adaptive clipping), so do not reuse a spec from an "
+            "earlier step.")
+      return result
+    return clipping.rescaled_to(result, bound, sensitivity)
 
   @tf.autograph.experimental.do_not_convert
   def apply_per_unit(self, per_unit_grads, num_units, num_examples,
@@ -378,8 +419,13 @@ class DPOptimizer(distributed.CrossReplicaOptimizer):
     the same sample state as :meth:`apply_per_unit` gives, without per-unit
     gradients."""
     variables = self._variables_of_step(trainable_variables)
+    query_state = self._private.query_state()
+    # Clipped at the query's clip norm of this step, which its noise is
+    # calibrated to (adaptive clipping moves it every step).
+    result = self._within_step_sensitivity(
+        result, self.query.clip_norm(query_state))
     self._feed_sample(self.query.sample_of_clipped_sum(
-        self._private.query_state(), result, variables, unit_mask),
+        query_state, result, variables, unit_mask),
                       num_units, num_examples, variables)
 
   def _feed_sample(self, sample, num_units, num_examples, variables):
