@@ -578,8 +578,12 @@ def test_batch_dependent_forward_is_refused_on_the_first_step(jit):
   before = model.get_weights()
   with pytest.raises(RuntimeError, match="depends on the other examples"):
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-  for got, want in zip(model.get_weights(), before):  # σ = 0: nothing moved
-    np.testing.assert_array_equal(got, want)
+  # That one step released its per-unit clipped mean (σ = 0, learning rate
+  # 1: it moved by at most C = 1), as for a model that does not mix.
+  assert int(optimizer.iterations.numpy()) == 1
+  moved = np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(
+      model.get_weights(), before)))
+  assert 0 < moved <= 1.0 + 1e-4
 
 
 def test_plain_model_passes_the_verification():

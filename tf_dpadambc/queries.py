@@ -280,10 +280,11 @@ class QueryRelease(privatizer.Privatizer):
 
   def sample_of_clipped_sum(self, state, result, templates, unit_mask=None):
     """:meth:`sample_from_clipped` of a ``core.clipping.ClippedSum``: its
-    records are the units with a finite norm, verified, and in
-    ``unit_mask`` (real, not padding)."""
+    records are the units with a finite norm and in ``unit_mask`` (real,
+    not padding). Not gated on ``result.mismatch``: a verdict on the whole
+    batch would make every record's presence depend on all examples."""
     norms = tf.convert_to_tensor(result.norms)
-    mask = tf.math.is_finite(norms) & ~tf.convert_to_tensor(result.mismatch)
+    mask = tf.math.is_finite(norms)
     if unit_mask is not None:
       mask &= unit_mask
     return self.sample_from_clipped(state, result.grads, norms, templates,

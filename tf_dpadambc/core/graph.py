@@ -13,6 +13,8 @@ list of reads and state-free ones (an allowlist, not a list of writes).
 These functions find them in a graph, including the functions its nodes call
 (calls, loop bodies, branches).
 """
+import collections.abc
+
 import tensorflow as tf
 from tensorflow.python.framework import op_def_registry
 
@@ -263,7 +265,7 @@ def _outside_source(tensor, data, held, seen, cache):
   while stack:
     tensor = stack.pop()
     if not tf.is_symbolic_tensor(tensor):  # captured from eager
-      if tensor.dtype == tf.resource or id(tensor) in held:
+      if tensor.dtype == tf.resource or held is None or id(tensor) in held:
         continue  # a variable's (or table's) handle, a model's constant
       return (f"a {tensor.dtype.name}{list(tensor.shape)} tensor captured "
               "from eager, not held by the model")
@@ -301,12 +303,14 @@ def outside_data(ops, own, data, held=()):
   A list of "op reads tensor (source)" (or "capture (source)").
 
   A NumPy array (or Python value) becomes a constant of the trace: it cannot
-  be told apart from the model's constants, and is not found.
+  be told apart from the model's constants, and is not found. ``held=None``
+  treats every eager tensor the same way (a constant made before the
+  trace; where the batch itself is never eager, as in a traced step).
   """
   inside = {id(op) for op in ops}
   own = {_key(t) for t in own}
   data = {_key(t) for t in data}
-  held = {id(t) for t in held}
+  held = None if held is None else {id(t) for t in held}
   found, seen, checked, cache = [], set(), set(), {}
   for op in ops:
     reads = [t for t in op.inputs
@@ -323,6 +327,42 @@ def outside_data(ops, own, data, held=()):
         found.append(f"{tensor.name} ({source})" if tensor.op is op else
                      f"{op.name} ({op.type}) reads {tensor.name} ({source})")
   return found
+
+
+def held_eager_tensors(roots, not_state=(), depth_limit=3):
+  """The eager tensors ``roots`` (a model's layers) hold, directly or
+  through containers and the trackables they own (a lookup table's default
+  value, normalization statistics given as constants), to ``depth_limit``
+  levels: a model's state, like its variables, which its per-unit
+  evaluation may read from outside itself (:func:`outside_data`'s
+  ``held``). Objects of the types ``not_state`` (variables, layers walked
+  already, optimizers, metrics, functions, datasets) are not walked: what
+  they hold is not the model's (a traced function's captures could be
+  data)."""
+  held, seen = [], set()
+  stack = [(root, 0) for root in roots]
+  while stack:
+    value, depth = stack.pop()
+    if id(value) in seen:
+      continue
+    seen.add(id(value))
+    if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
+      held.append(value)
+    elif depth == 0 or (depth < depth_limit and
+                        not isinstance(value, not_state)):
+      if isinstance(value, (list, tuple)):
+        children = value
+      elif isinstance(value, collections.abc.Mapping):
+        children = list(value.values())
+      elif isinstance(value, _TRACKABLE):
+        children = list(getattr(value, "__dict__", {}).values())
+      else:
+        continue
+      stack += [(child, depth + 1) for child in children]
+  return held
+
+
+_TRACKABLE = tf.__internal__.tracking.Trackable
 
 
 def _origin(tensor, cache):
@@ -375,7 +415,7 @@ def written_from_data(ops, before, data, held=(), handles=(), trained=()):
         read.add(_origin(tensor, cache))
   read -= {_origin(handle, cache) for handle in trained}
   data = {_key(t) for t in data}
-  held = {id(t) for t in held}
+  held = None if held is None else {id(t) for t in held}
   found = []
   for op in before:
     if not _writes_variable(op.type) or not op.inputs:

@@ -345,8 +345,13 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return loss, y_pred, [c.inputs for c in calls], deltas
 
+  # The model's code runs here: it may read its unit, its weights and its
+  # constants, nothing else (a layer that reaches the batch through the
+  # graph gives every unit the other examples: refused when traced).
+  evaluate_unit, check = per_example.unit_local(evaluate_unit, units)
   unit_losses, y_pred, inputs, flat_deltas = tf.vectorized_map(
       evaluate_unit, units, fallback_to_while_loop=False)
+  check()
   # Mixed precision: float16/bfloat16 records are book-kept in float32 (the
   # norms in float64, core.ghost), δ unscaled exactly before any norm.
   inputs = tf.nest.map_structure(

@@ -184,7 +184,6 @@ def _unit_losses(model, x, y, sample_weight, num_microbatches):
 # unconverted (Keras' step is do_not_convert), and converting them took a
 # fifth of the tracing of such a function.
 @tf.autograph.experimental.do_not_convert
-@validation.stateless_evaluation
 def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   """Every unit's gradient of a compiled Keras model's loss on one batch.
 
@@ -192,16 +191,25 @@ def per_unit_gradients(model, x, y, sample_weight, num_microbatches=None):
   ``tf.vectorized_map``, so examples cannot mix. Returns ``(grads,
   unit_losses [U], y_pred)`` with ``grads[j]`` shaped ``[U, *var_j.shape]``
   (what a DPQuery's ``preprocess_record`` takes, one unit at a time), a
-  ``per_example.PerUnitGradients`` (what ``apply_per_unit`` takes).
+  ``per_example.PerUnitGradients`` (what ``apply_per_unit`` takes; also
+  when called eagerly, where the evaluation runs as a traced function,
+  whose outputs are plain lists).
   """
+  grads, losses, y_pred = _per_unit_gradients(model, x, y, sample_weight,
+                                              num_microbatches)
+  return per_example.PerUnitGradients(grads), losses, y_pred
+
+
+@tf.autograph.experimental.do_not_convert
+@validation.stateless_evaluation
+def _per_unit_gradients(model, x, y, sample_weight, num_microbatches):
   params, _, _, _, unit_loss_fn, units = _unit_losses(
       model, x, y, sample_weight, num_microbatches)
   with per_example.sequential_units(_compat.has_recurrent_layers(model)), \
       per_example.loss_scale(loss_scale(model)):
     grads, losses, y_pred = per_example.per_unit_gradients(
         unit_loss_fn, params, units)
-  return (per_example.PerUnitGradients(grads), losses,
-          per_example.merge_microbatches(y_pred))
+  return grads, losses, per_example.merge_microbatches(y_pred)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -536,8 +544,8 @@ def _plan_stage(model, sample_weight):
 
 def _verify_stage(model, optimizer, x, y):
   """Is the model the user wrote (batched) the model that per-unit
-  evaluation trains? If not, the step releases noise only and fit raises
-  (privacy holds either way).
+  evaluation trains? If not, fit raises after the step (whose release is
+  private either way: it is not gated on this verdict, see :func:`_flagged`).
 
   Checked on the first run of every trace of the step, and on every step
   until a check passes: a new compile, new input shapes (a model may mix
@@ -573,7 +581,7 @@ def _private_stage(model, optimizer, x, y, sample_weight, batch_size,
       model, x, y, sample_weight,
       optimizer.clip_spec(model.trainable_variables),
       optimizer.num_microbatches, _record(model).clipping)
-  result = _unless(consistent, result)
+  result = _flagged(consistent, result)
   num_units = tf.shape(unit_losses)[0]
   if replicated:
     replicas.release(optimizer, result, num_units, batch_size,
@@ -654,14 +662,17 @@ def _check_strategy(strategy, optimizer):
   return True
 
 
-def _unless(consistent, result):
-  """The clipped sum, zeroed (noise only) where ``consistent`` is False."""
-  def keep(ts):
-    return ts if ts is None else [tf.where(consistent, t, tf.zeros_like(t))
-                                  for t in ts]
-  return result._replace(grads=keep(result.grads),
-                         square_grads=keep(result.square_grads),
-                         mismatch=result.mismatch | ~consistent)
+def _flagged(consistent, result):
+  """The clipped sum, marked as a mismatch where ``consistent`` is False.
+
+  Not zeroed: the check compares the batched model with per-unit
+  evaluation on the whole batch, so a release gated on it would be
+  S·1[check] + N, and a model that mixes examples only when one of them is
+  present flips it (a review: ‖S‖ = 6.4C for a bound of 2C). The sum is
+  built from each unit evaluated alone (exact by construction, what it
+  reads checked when traced), so it is private whatever the verdict; the
+  verdict is a diagnostic the host raises on."""
+  return result._replace(mismatch=result.mismatch | ~consistent)
 
 
 def _query_step(model, optimizer, x, y, sample_weight, batch_size,
@@ -685,7 +696,7 @@ def _query_step(model, optimizer, x, y, sample_weight, batch_size,
   if spec is not None:
     result, unit_losses, y_pred = private_gradient_sum(
         model, x, y, sample_weight, spec, optimizer.num_microbatches, method)
-    result = _unless(consistent, result)
+    result = _flagged(consistent, result)
     optimizer.apply_query_clipped(result, tf.shape(unit_losses)[0],
                                   batch_size, model.trainable_variables,
                                   unit_mask=present)
@@ -698,15 +709,15 @@ def _query_step(model, optimizer, x, y, sample_weight, batch_size,
   # (the records of the other units are zeroed after preprocessing)
   optimizer.apply_per_unit(grads, tf.shape(unit_losses)[0], batch_size,
                            model.trainable_variables,
-                           unit_mask=finite & present & consistent)
+                           unit_mask=finite & present)
   return None, unit_losses, y_pred
 
 
 def _checked_train_function(model):
   """Wraps ``make_train_function`` so that an unverified step raises on the host.
 
-  In the compiled step such a step released noise only (private, useless);
-  here, right after it, training stops with an explanation.
+  Such a step trained each example evaluated alone (private, but not the
+  model written); here, right after it, training stops with an explanation.
   """
   make = model.make_train_function
 
@@ -749,8 +760,9 @@ def _checked_train_function(model):
             "randomness Keras does not "
             "track (tf.random instead of keras.random with a SeedGenerator) "
             "in inference mode. Private training evaluates each example on "
-            "its own, which would train a different model; the step applied "
-            "noise only. Make every layer act on each example separately "
+            "its own, which trains a different model (that step did: its "
+            "update was clipped and noised per example as usual, so privacy "
+            "holds). Make every layer act on each example separately "
             "(e.g. LayerNormalization instead of statistics over the batch).")
       if not float(logs.get("dp_nonfinite_examples", 1.0)):
         del logs["dp_nonfinite_examples"]  # shown only when non-zero

@@ -1,7 +1,9 @@
 """Refuse models whose training cannot be made private per example, and
 callbacks that would act on the un-noised training logs."""
+import contextlib
 import functools
 import inspect
+import threading
 
 import keras
 import numpy as np
@@ -367,16 +369,146 @@ def check_optimizer_is_traced(model):
         "run.")
 
 
+# Hooks that run between private steps (the training logs are in hand).
+_BETWEEN_STEPS = ("on_epoch_begin", "on_epoch_end", "on_batch_begin",
+                  "on_batch_end", "on_train_batch_begin", "on_train_batch_end",
+                  "on_test_begin", "on_test_end", "on_test_batch_begin",
+                  "on_test_batch_end", "on_predict_begin", "on_predict_end",
+                  "on_predict_batch_begin", "on_predict_batch_end")
+_WRITE_GUARD = threading.local()
+_VARIABLE_WRITES = ("assign", "assign_add", "assign_sub", "scatter_sub",
+                    "scatter_add", "scatter_max", "scatter_min", "scatter_mul",
+                    "scatter_div", "scatter_update", "batch_scatter_update",
+                    "scatter_nd_sub", "scatter_nd_add", "scatter_nd_update",
+                    "scatter_nd_max", "scatter_nd_min")
+_WRITES_GUARDED = []
+
+
+def _guard_variable_writes():
+  """Once per process: every write method of TensorFlow's resource variables
+  (what Keras 3's and tf_keras' variables write through) first asks
+  :func:`_refuse_write`, which acts only inside a guarded callback hook."""
+  if _WRITES_GUARDED:
+    return
+  from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-import-not-at-top
+  # Each class that defines a write itself (ResourceVariable overrides
+  # BaseResourceVariable's).
+  classes, stack = [], [resource_variable_ops.BaseResourceVariable]
+  while stack:
+    cls = stack.pop()
+    classes.append(cls)
+    stack.extend(cls.__subclasses__())
+  for cls in classes:
+    for name in _VARIABLE_WRITES:
+      original = vars(cls).get(name)
+      if original is None:
+        continue
+
+      def write(self, *args, _original=original, **kwargs):
+        _refuse_write(self)
+        return _original(self, *args, **kwargs)
+      functools.update_wrapper(write, original)
+      setattr(cls, name, write)
+  _WRITES_GUARDED.append(True)
+
+
+def _refuse_write(variable):
+  guarded = getattr(_WRITE_GUARD, "state", None)
+  if guarded is None or id(variable) not in guarded[0]:
+    return
+  watched, callback, hook = guarded
+  raise ValueError(
+      f"Callback {callback}.{hook} wrote the variable '{variable.name}' of "
+      "the model or its optimizer during private training. Between steps a "
+      "callback holds the training logs (loss, metrics), which are computed "
+      "without noise: a value written from them into the model or the "
+      "optimizer reaches the next steps' gradients, and the weights, "
+      "without noise (a review: 9.1C for a bound of 2C). Change the model "
+      "only through the private step: compute schedules inside the model "
+      "from public values (the optimizer's iterations), or set them before "
+      "fit. (The learning rate may be set, e.g. by LearningRateScheduler: "
+      "from the epoch, not from the training logs.)")
+
+
+def _watched(model):
+  """ids of the tf.Variables behind the model's variables and its
+  optimizer's, but the learning rate (set by schedules between epochs)."""
+  optimizer = getattr(model, "optimizer", None)
+  variables = list(model.variables)
+  if optimizer is not None:
+    rate = getattr(optimizer, "_learning_rate", None)
+    variables += [v for v in optimizer.variables if v is not rate]
+  ids = set()
+  for v in variables:
+    ids.add(id(v))
+    inner = getattr(v, "_value", None)
+    if isinstance(inner, tf.Variable):
+      ids.add(id(inner))
+  return ids
+
+
+def _user_callbacks(callbacks):
+  """The callbacks whose class is not Keras' or this library's."""
+  if _is_a(callbacks, "CallbackList"):
+    callbacks = callbacks.callbacks
+  return [c for c in tf.nest.flatten(callbacks or [])
+          if not type(c).__module__.split(".")[0] in (
+              "keras", "tf_keras", "tf_dpadambc", "tensorflow")]
+
+
+@contextlib.contextmanager
+def callbacks_write_nothing(model, callbacks):
+  """Within it, a user callback's hooks that run between private steps
+  (``_BETWEEN_STEPS``) may not write the model's or its optimizer's
+  variables (learning rate aside): ``ValueError`` at the write, before the
+  next step reads it. Keras' own callbacks are checked by class
+  (:func:`check_callbacks`); a custom one cannot be read, so what it does
+  is watched: the training logs it is given are not private, and a value
+  written from them into the model would train the next steps on them
+  without noise."""
+  users = _user_callbacks(callbacks)
+  if not users:
+    yield
+    return
+  _guard_variable_writes()
+  watched = _watched(model)
+  wrapped = []
+  for callback in users:
+    for hook in _BETWEEN_STEPS:
+      method = getattr(callback, hook, None)
+      if method is None or hook in vars(callback):
+        continue
+
+      def guarded(*args, _method=method, _hook=hook, _name=type(
+          callback).__name__, **kwargs):
+        previous = getattr(_WRITE_GUARD, "state", None)
+        _WRITE_GUARD.state = (watched, _name, _hook)
+        try:
+          return _method(*args, **kwargs)
+        finally:
+          _WRITE_GUARD.state = previous
+      setattr(callback, hook, guarded)
+      wrapped.append((callback, hook))
+  try:
+    yield
+  finally:
+    for callback, hook in wrapped:
+      delattr(callback, hook)
+
+
 def refuse_log_driven_callbacks(model):
   """Wraps ``model.fit`` so that :func:`check_callbacks` (and
-  :func:`check_optimizer_is_traced`) run first."""
+  :func:`check_optimizer_is_traced`) run first, and custom callbacks are
+  watched (:func:`callbacks_write_nothing`)."""
   fit = model.fit
   signature = inspect.signature(type(model).fit)
 
   def fit_with_checked_callbacks(*args, **kwargs):
     check_optimizer_is_traced(model)
-    check_callbacks(signature.bind(model, *args, **kwargs).arguments.get(
-        "callbacks"))
-    return fit(*args, **kwargs)
+    callbacks = signature.bind(model, *args, **kwargs).arguments.get(
+        "callbacks")
+    check_callbacks(callbacks)
+    with callbacks_write_nothing(model, callbacks):
+      return fit(*args, **kwargs)
   fit_with_checked_callbacks.__doc__ = fit.__doc__
   object.__setattr__(model, "fit", fit_with_checked_callbacks)

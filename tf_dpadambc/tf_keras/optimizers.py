@@ -30,10 +30,11 @@ refused unless the optimizer is built with ``assume_examples_independent=True``
 ``fit``'s per-unit evaluation is also checked every step against the losses
 tf_keras recorded (in inference mode when the model draws random numbers): a
 mismatch means the model mixes examples, so per-unit gradients are not the
-gradients of the loss being trained. The check acts through the data flow: a
-failed check zeroes the step's clipped sum (the step releases noise only) and
-counts the refusal in a variable, which the host reads after the step to
-raise (no assert op, which XLA would drop).
+gradients of the loss being trained. It is counted in a variable, which the
+host reads after the step to raise (no assert op, which XLA would drop). It
+does not gate the release: each unit is evaluated alone, so the step is
+private either way, while a release gated on a check of the whole batch is
+not (S·1[check] + N: one example flips the check).
 
 Cost: per-unit evaluation runs one forward and backward pass per unit,
 vectorized, O(B); the jacobian back-propagates through the whole batch once
@@ -47,7 +48,6 @@ class, same name and arguments); ``DPKerasSGDOptimizer``,
 ``DPKerasAdamOptimizer`` and ``DPKerasAdagradOptimizer`` take TF-Privacy's
 constructor signature.
 """
-import collections.abc
 import logging
 import sys
 
@@ -116,8 +116,9 @@ _MIXING_ERROR = (
     "statistics, features of other examples, ...), or draws random numbers "
     "in inference mode or outside tf.random/Keras layers. Per-example "
     "gradients are then not the gradients of the loss being trained. Those "
-    "steps released noise only (their clipped sums were zeroed), so privacy "
-    "holds, but the model did not learn: remove or fix that layer. (A custom "
+    "steps trained each example's loss evaluated alone (clipped and noised: "
+    "privacy holds), a model other than the one written: remove or fix that "
+    "layer. (A custom "
     "train step may call optimizer.minimize_per_unit(loss_fn, data, "
     "var_list), which trains each example's loss evaluated alone, without "
     "this comparison.)")
@@ -219,8 +220,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
   ``fit``'s per-unit losses are compared every step with the losses tf_keras
   recorded on the batch (both in inference mode when the model draws random
   numbers). A mismatch (a layer mixes examples: lag features, batch
-  centring, ...) zeroes that step's clipped sum, so the step releases noise
-  only, and counts it in :attr:`refused_steps`; the host then raises
+  centring, ...) is counted in :attr:`refused_steps` (the step's release is
+  not gated on it: each unit was evaluated alone, so its clipped gradient is
+  private either way, and a release gated on a check of the whole batch
+  would not be); the host then raises
   ``RuntimeError`` (after that step's call of the train function, or at the
   end of its epoch; in eager mode at once). No assert op is involved: it
   works under XLA. A model that writes variables in its forward pass is
@@ -394,11 +397,13 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     per_unit, keep = self._per_unit_gradients(loss, tape, unit_losses,
                                               var_list)
     num_units = tf.shape(unit_losses)[0]
-    # A refused step (keep False) adds exactly zero: noise only is released.
-    mask = None if keep is None else tf.fill([num_units], keep)
-    # Clipped with the inner clip_spec (or fed to its DPQuery), then noised.
+    # The verdict (keep) does not gate the release: a sum released only
+    # where a check on the whole batch passes is S·1[check] + N, and one
+    # example can flip the check (a review: ‖S‖ = 6.4C for a bound of 2C).
+    # Each unit was evaluated alone: its clipped gradient is private either
+    # way; a mismatch is reported by the host (refused_steps).
     self._apply_per_unit(per_unit, num_units, tf.shape(examples)[0],
-                         var_list, mask, replicated)
+                         var_list, None, replicated)
     if keep is not None and tf.executing_eagerly():
       self._raise_if_refused()
 
@@ -522,7 +527,8 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
 
   @property
   def refused_steps(self):
-    """Physical steps refused by the per-unit check (noise only released)."""
+    """Physical steps whose per-unit check failed (a diagnostic: their
+    releases were private, per-unit evaluated)."""
     counter = getattr(self, "_refused_steps", None)
     return 0 if counter is None else int(counter.numpy())
 
@@ -548,8 +554,8 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     construction. ``keep`` (a scalar bool tensor) says whether those losses
     match the ones tf_keras recorded on the whole batch, ``unit_losses``
     (for a model that draws random numbers, whose per-unit draws differ from
-    the batch's: both in inference mode); if not, examples mix, the gradients
-    are not those of the trained loss, and the caller zeroes the step.
+    the batch's: both in inference mode); if not, examples mix and the
+    gradients are not those of the trained loss (reported, not gated).
 
     Otherwise (custom ``train_step``, callable loss, ``compute_loss``
     override, ``vectorize = False``, ...) the jacobian of ``unit_losses``
@@ -824,37 +830,16 @@ class _QuietVectorization(logging.Filter):
 
 
 def _held_tensors(model):
-  """The eager tensors held by ``model``'s layers, directly or through
-  containers and the trackables they own (a lookup table's default value):
-  model state, like its variables. None model: none."""
-  held, seen = [], set()
-  stack = [(layer, 0) for layer in (
-      _compat.all_layers(model) if model is not None else [])]
-  while stack:
-    value, depth = stack.pop()
-    if id(value) in seen:
-      continue
-    seen.add(id(value))
-    if isinstance(value, tf.Tensor) and not tf.is_symbolic_tensor(value):
-      held.append(value)
-    elif depth == 0 or (depth < 3 and
-                        not isinstance(value, _NOT_MODEL_STATE)):
-      if isinstance(value, (list, tuple)):
-        children = value
-      elif isinstance(value, collections.abc.Mapping):
-        children = list(value.values())
-      elif isinstance(value, _TRACKABLE):
-        children = list(getattr(value, "__dict__", {}).values())
-      else:
-        continue
-      stack += [(child, depth + 1) for child in children]
-  return held
+  """The eager tensors held by ``model``'s layers (``graph.held_eager_
+  tensors``): model state, like its variables. None model: none."""
+  return graph.held_eager_tensors(
+      _compat.all_layers(model) if model is not None else [],
+      _NOT_MODEL_STATE)
 
 
 # Graph inspection, plain Python: not for autograph (which converts what
 # the traced unit function calls).
 _inspect = tf.autograph.experimental.do_not_convert
-_TRACKABLE = tf.__internal__.tracking.Trackable
 # Held by a model without being its state, or walked already (layers).
 # (A traced function's captures are not the model's: they could be data.)
 _NOT_MODEL_STATE = (tf.Variable, tf_keras.layers.Layer,

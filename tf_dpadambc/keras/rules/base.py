@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpadambc.core import ghost
+from tf_dpadambc.core import per_example
 
 
 class Call(collections.namedtuple("Call", ["inputs", "kwargs", "z"])):
@@ -304,9 +305,10 @@ class UserRule(Rule):
       return out
     # vectorized_map has the semantics of a loop over units: the rule sees
     # one unit's tensors at a time, whatever it does with them.
-    terms = tf.vectorized_map(
-        unit, ([c.inputs for c in self.calls], list(deltas)),
-        fallback_to_while_loop=False)
+    records = ([c.inputs for c in self.calls], list(deltas))
+    unit, check = per_example.unit_local(unit, records)
+    terms = tf.vectorized_map(unit, records, fallback_to_while_loop=False)
+    check()
     combined = [self._combine(v, t) for v, t in zip(self.variables, terms)]
     self._cache = deltas, combined
     return combined

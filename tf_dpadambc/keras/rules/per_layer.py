@@ -2,6 +2,7 @@
 import keras
 import tensorflow as tf
 
+from tf_dpadambc.core import per_example
 from tf_dpadambc.keras.rules import base
 
 
@@ -35,8 +36,13 @@ class PerLayer(base.Materialized):
           inner = tf.reduce_sum(y * tf.cast(d, y.dtype))
         return tape.gradient(inner, values,
                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      # The layer's own code, per unit: nothing but the unit's records,
+      # the weights and constants (per_example.unit_local).
+      unit_grads, check = per_example.unit_local(unit_grads,
+                                                 (call.inputs, delta))
       grads = tf.vectorized_map(unit_grads, (call.inputs, delta),
                                 fallback_to_while_loop=False)
+      check()
       total = grads if total is None else [a + b for a, b in zip(total, grads)]
     return total
 
