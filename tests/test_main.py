@@ -314,3 +314,6 @@ def test_main_quick_runs_seeds_and_prints_a_verdict(capsys):
   assert "dp_nonfinite_examples" not in out  # zero: not shown
   assert "Differential privacy statement" in out
   assert "(--quick: a smoke test" in out
+  # The paired design shares the noise: the job must not claim that its
+  # models compose (a review told neighbours apart from two models).
+  assert "composes" not in out and "release at most one of them" in out

@@ -28,7 +28,11 @@ steps — exactly the same privacy guarantee — over ``--seeds`` independent
 replicates. A replicate fixes the initial weights, the Poisson batches and
 the DP noise, and all three optimizers share them (a paired design: the
 optimizer is the only difference within a replicate); the replicates differ
-in all three. The job prints each optimizer's mean test accuracy with a 95%
+in all three. Each model alone has the guarantee printed; two models of a
+replicate together do not compose as independent runs: they share their
+noise, and their difference carries none (a review told neighbouring
+datasets apart from two models' releases, 20 times in 20). Release at most
+one model per replicate. The job prints each optimizer's mean test accuracy with a 95%
 t-interval over the replicates, then the paired difference of every pair of
 optimizers with its 95% t-interval: a difference is called significant only
 when its interval excludes 0. The verdict sentence is generated from those
@@ -523,9 +527,11 @@ def run(args):
   if args.quick:
     print("\n(--quick: a smoke test on a subset; these numbers say nothing "
           "about the optimizers.)")
-  print("\nEvery run above has the same guarantee; each model alone has it "
-        "(releasing several composes). The statement for "
-        f"{results[0].name}:")
+  print("\nEvery run above has the same guarantee; each model alone has it. "
+        "The models of a replicate share their batches and noise (the paired "
+        "design): together they are not covered (two models' difference "
+        "carries no noise), so release at most one of them. The statement "
+        f"for {results[0].name}:")
   print(tf_dpadambc.optimizer_privacy_statement(
       results[0].optimizer, num_examples, args.delta))
   return results
