@@ -6,6 +6,7 @@
     python benchmarks/suite.py --tfp-python .venv-tfp/bin/python --json results.json
     python benchmarks/suite.py --jaxp-python .venv-jaxp/bin/python   # + jax_privacy
     python benchmarks/suite.py --device gpu         # the same table on a GPU
+    python benchmarks/suite.py --steps-per-execution 10   # less host work per step
 
 What is measured, side by side on synthetic data (benchmarks/bench_models.py:
 MLP 784-128-10, TF-Privacy's tutorial MNIST CNN, the DP-AdamBC paper's CIFAR-10
@@ -153,14 +154,15 @@ TFP_SKIP_MESSAGE = ("TF-Privacy skipped: install tensorflow-privacy and "
 JAXP_SKIP_MESSAGE = ("jax_privacy skipped: pass --jaxp-python, an interpreter "
                      "with jax-privacy>=2 and keras (see the docstring)")
 
-# Steps: (warm-up, min timed, max timed, budget s, hard budget s).
+# Steps: (warm-up, min timed, max timed, budget s, hard budget s, steps per
+# execution: K > 1 counts calls of K steps).
 DEFAULT_STEPS = dict(warmup=1, min_steps=3, max_steps=20, budget=2.0,
-                     hard_budget=6.0)
+                     hard_budget=6.0, steps_per_execution=1)
 QUICK_MODELS = ["mlp", "mnist_cnn", "embedding_bag"]
 # lstm_text only when named: its private step loops over units (batch 64).
 DEFAULT_MODELS = [m for m in bench_models.MODELS if m != "lstm_text"]
 QUICK_STEPS = dict(warmup=1, min_steps=3, max_steps=8, budget=0.5,
-                   hard_budget=3.0)
+                   hard_budget=3.0, steps_per_execution=1)
 
 
 # --------------------------------------------------------------------------
@@ -339,7 +341,7 @@ def _dataset(tf, name, batch_size, distinct=4):
   return tf.data.Dataset.from_tensor_slices((x, y)).repeat().prefetch(2)
 
 
-def _build_keras3(name, config, batch_size):
+def _build_keras3(name, config, batch_size, steps_per_execution=1):
   import keras
   import tf_dpadambc as dp
   build = bench_models.MODELS[name][0]
@@ -370,7 +372,8 @@ def _build_keras3(name, config, batch_size):
                     learning_rate=LR)
   model.compile(optimizer=optimizer,
                 loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True), jit_compile=True)
+                    from_logits=True), jit_compile=True,
+                steps_per_execution=steps_per_execution)
   return model, keras, info
 
 
@@ -383,7 +386,7 @@ def _arrays(name, batch_size, steps, distinct=4):
           np.concatenate([y] * reps)[:steps * batch_size])
 
 
-def _build_jax(name, config, batch_size, steps):
+def _build_jax(name, config, batch_size, steps, steps_per_execution=1):
   """Keras 3 on JAX: non-private Adam, or jax_privacy's ``make_private``
   (DP-SGD's clipping and noise, then the compiled Adam: DP-Adam)."""
   import keras
@@ -392,7 +395,8 @@ def _build_jax(name, config, batch_size, steps):
   model = build(keras)
   model.compile(optimizer=keras.optimizers.Adam(LR),
                 loss=keras.losses.SparseCategoricalCrossentropy(
-                    from_logits=True), jit_compile=True)
+                    from_logits=True), jit_compile=True,
+                steps_per_execution=steps_per_execution)
   info = {"backend": keras.backend.backend()}
   if config != JAX_BASELINE:
     import jax_privacy
@@ -494,22 +498,30 @@ def _condense(error):
 
 
 def measure(name, config, batch_size, warmup=1, min_steps=3, max_steps=20,
-            budget=2.0, hard_budget=6.0):
-  """Trains ``name`` under ``config`` in this process; returns a result dict."""
+            budget=2.0, hard_budget=6.0, steps_per_execution=1):
+  """Trains ``name`` under ``config`` in this process; returns a result dict.
+
+  With ``steps_per_execution`` K > 1 (Keras 3 rows only: TF-Privacy's run
+  one step per call), fit runs K steps per call of its compiled function and
+  the callbacks see one batch per K steps: warm-up and step counts are in
+  such calls, and a step's time is a call's divided by K."""
   result = dict(model=name, config=config, batch_size=batch_size)
   started = time.perf_counter()
   total = warmup + max_steps
+  per_call = 1 if config in TFP_CONFIGS else steps_per_execution
+  result["steps_per_execution"] = per_call
   try:
     if config in JAXP_CONFIGS:  # no TensorFlow in this worker
       tf = None
-      model, k, info = _build_jax(name, config, batch_size, total)
+      model, k, info = _build_jax(name, config, batch_size,
+                                  total * per_call, per_call)
     else:
       import tensorflow as tf
       result["pool_reserved_mib"] = _reserve_cpu_pool(tf)
       if config in TFP_CONFIGS:
         model, k, info = _build_tfp(name, config, batch_size)
       else:
-        model, k, info = _build_keras3(name, config, batch_size)
+        model, k, info = _build_keras3(name, config, batch_size, per_call)
     result.update(info)
     if model is None:
       return result
@@ -517,14 +529,14 @@ def measure(name, config, batch_size, warmup=1, min_steps=3, max_steps=20,
     timer = _timer_class(k)(memory, warmup, min_steps, max_steps, budget,
                             hard_budget)
     if tf is None:
-      x, y = _arrays(name, batch_size, total)
+      x, y = _arrays(name, batch_size, total * per_call)
       model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0,
                 shuffle=False, callbacks=[timer])
     else:
       model.fit(_dataset(tf, name, batch_size), epochs=1,
-                steps_per_epoch=total, verbose=0, shuffle=False,
+                steps_per_epoch=total * per_call, verbose=0, shuffle=False,
                 callbacks=[timer])
-    steps = [d * 1000 for d in timer.durations]
+    steps = [d * 1000 / per_call for d in timer.durations]
     if not steps:
       raise RuntimeError("no step was timed")
     result.update(memory.result())
@@ -960,10 +972,15 @@ def _one(runners, isolate, name, config, batch_size, steps, timeout):
   return result
 
 
+def _calls(r):
+  k = r.get("steps_per_execution", 1)
+  return "steps" if k == 1 else f"calls of {k} steps"
+
+
 def _short(r):
   if r.get("status") == "ok":
     return (f"{r['ms_per_step']:9.1f} ms/step  peak +{r['peak_mib']:.1f} MiB"
-            f"  ({r['steps_timed']} steps, warm-up {r['warmup_s']:.1f} s)")
+            f"  ({r['steps_timed']} {_calls(r)}, warm-up {r['warmup_s']:.1f} s)")
   return f"{r.get('status')}: {r.get('reason', '')}"[:200]
 
 
@@ -1144,6 +1161,11 @@ def main(argv=None):
   parser.add_argument("--warmup", type=int, default=None)
   parser.add_argument("--min-steps", type=int, default=None)
   parser.add_argument("--max-steps", type=int, default=None)
+  parser.add_argument(
+      "--steps-per-execution", type=int, default=None,
+      help="Keras 3 rows: compile with steps_per_execution=K (K steps per "
+           "call of the compiled function: less host work per step, as on a "
+           "GPU); counts are then in calls, ms/step a call's time / K")
   parser.add_argument("--budget", type=float, default=None,
                       help="seconds of timed steps per configuration")
   parser.add_argument("--hard-budget", type=float, default=None)

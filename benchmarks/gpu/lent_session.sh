@@ -5,7 +5,7 @@
 # what one call may carry (64 MiB), so it travels in pieces, and jax_privacy's
 # rows run in the calls that carry them.
 #
-# Here, once: the cp312 wheel of tensorflow==2.21.0 unzipped without
+# Here, once (benchmarks/gpu/make_pieces.sh does it): the cp312 wheel of tensorflow==2.21.0 unzipped without
 # tensorflow/include and the profiler plugin (90 MB), every .so stripped of
 # its static symbol table (strip --strip-unneeded: .symtab and .strtab; the
 # dynamic symbols stay), tar | xz -9, split -n 5 into .gpu/c1/p0 ...
@@ -102,15 +102,18 @@ export PATH=/usr/local/cuda/bin:$PATH XLA_FLAGS=--xla_gpu_cuda_data_dir=/usr/loc
 timeout 120 python3 benchmarks/gpu/check_gpu.py 2>&1 | quiet | tee /root/res/check_gpu.log | tail -3
 grep -q "relative errors" /root/res/check_gpu.log || { echo "GPU CHECK FAILED"; exit 4; }
 echo "checked after $(( $(date +%s)-T0 )) s"
-# TF_ROWS: ';'-separated suite.py runs ("MODEL BATCH"), then the noise floor.
+# TF_ROWS: ';'-separated suite.py runs ("MODEL BATCH [K]": K steps per
+# execution, default 1), then the noise floor.
 IFS=';' read -ra rows <<< "${TF_ROWS:-transformer 1024}"
 for row in "${rows[@]}"; do
   set -- $row
+  k=${3:-1}; name=tf_$1_$2$([ "$k" = 1 ] || echo _spe$k)
   PYTHONUNBUFFERED=1 timeout ${TF_S:-200} python3 benchmarks/suite.py --device gpu --fresh --no-tfp \
     --configs Adam DPAdamBC --models $1 --batch-sizes $2 --budget 1 --hard-budget 3 \
-    --max-steps 20 --timeout 150 --json /root/res/tf_$1_$2.json 2>&1 | quiet > /root/res/tf_$1_$2.log
-  tail -3 /root/res/tf_$1_$2.log
-  echo "after $1 $2: $(( $(date +%s)-T0 )) s"
+    --max-steps 20 --steps-per-execution $k --timeout 150 --json /root/res/$name.json 2>&1 \
+    | quiet > /root/res/$name.log
+  tail -3 /root/res/$name.log
+  echo "after $row: $(( $(date +%s)-T0 )) s"
   new_results
 done
 if [ -n "${FLOOR:-}" ]; then
