@@ -170,3 +170,44 @@ def test_a_callback_writing_the_logs_into_the_model_is_refused():
                              0.02, rtol=1e-6)
   model.get_layer("context").context.assign(1.0)
   assert "on_train_batch_end" not in vars(reader)
+
+
+class _IntoModel(keras.metrics.Metric):
+  """A metric that keeps a label statistic in a variable of the model."""
+
+  def __init__(self, target):
+    super().__init__(name="into_model")
+    self.target = target
+    self.total = self.add_variable(shape=(), initializer="zeros", name="t")
+
+  def update_state(self, y_true, y_pred, sample_weight=None):
+    self.target.assign(tf.reduce_mean(y_true))
+    self.total.assign(tf.reduce_mean(y_true))
+
+  def result(self):
+    return self.total
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_metric_writing_into_the_model_is_refused(run_eagerly):
+  """(A review: the step's metrics, which see the batch without noise,
+  wrote a label statistic into a model variable the next steps read: 8C
+  for a bound of 2C.) Ordinary metrics keep working."""
+  keras.utils.set_random_seed(0)
+  inputs = keras.Input((D,))
+  context = Context(name="context")
+  model = dp.make_private(keras.Model(inputs, keras.layers.Dense(1)(
+      context(inputs))))
+  model.compile(optimizer=dp.DPSGD(C, 1.0, learning_rate=0.1), loss="mse",
+                metrics=[_IntoModel(context.context)],
+                run_eagerly=run_eagerly)
+  x = np.ones((2 * B, D), "float32")
+  y = np.ones((2 * B, 1), "float32")
+  with pytest.raises(ValueError, match="A metric wrote the variable"):
+    model.fit(x, y, batch_size=B, verbose=0)
+  assert float(context.context.numpy()) == 0.0
+  model.compile(optimizer=dp.DPSGD(C, 1.0, learning_rate=0.1), loss="mse",
+                metrics=["mae", keras.metrics.RootMeanSquaredError()],
+                run_eagerly=run_eagerly)
+  history = model.fit(x, y, batch_size=B, verbose=0)
+  assert {"mae", "root_mean_squared_error"} <= set(history.history)

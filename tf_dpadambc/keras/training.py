@@ -503,8 +503,12 @@ def _dp_train_step(self, data):
         self, optimizer, x, y, sample_weight, batch_size, consistent,
         replicated)
   _advance_seed_generators(self)
-  return _logs_stage(self, optimizer, x, y, y_pred, sample_weight,
-                     batch_size, result, unit_losses, consistent)
+  # The metrics see the batch without noise: they may write their own state,
+  # not the model's (a review: a metric writing a batch statistic into a
+  # model variable read by the next steps, 8C for a bound of 2C).
+  with validation.model_unwritten(self):
+    return _logs_stage(self, optimizer, x, y, y_pred, sample_weight,
+                       batch_size, result, unit_losses, consistent)
 
 
 def _plan_stage(model, sample_weight):

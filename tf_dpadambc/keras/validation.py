@@ -3,6 +3,8 @@ callbacks that would act on the un-noised training logs."""
 import contextlib
 import functools
 import inspect
+import os
+import sys
 import threading
 
 import keras
@@ -375,7 +377,10 @@ _BETWEEN_STEPS = ("on_epoch_begin", "on_epoch_end", "on_batch_begin",
                   "on_test_begin", "on_test_end", "on_test_batch_begin",
                   "on_test_batch_end", "on_predict_begin", "on_predict_end",
                   "on_predict_batch_begin", "on_predict_batch_end")
-_WRITE_GUARD = threading.local()
+# (watched ids, callback name, hook) of the user hook running, in any thread:
+# a hook may write from a thread of its own (a review: 737 for a bound of 1).
+_WRITE_GUARD = []
+_WRITE_GUARD_LOCK = threading.Lock()
 _VARIABLE_WRITES = ("assign", "assign_add", "assign_sub", "scatter_sub",
                     "scatter_add", "scatter_max", "scatter_min", "scatter_mul",
                     "scatter_div", "scatter_update", "batch_scatter_update",
@@ -413,10 +418,20 @@ def _guard_variable_writes():
 
 
 def _refuse_write(variable):
-  guarded = getattr(_WRITE_GUARD, "state", None)
-  if guarded is None or id(variable) not in guarded[0]:
+  if not _WRITE_GUARD:
+    return
+  guarded = _WRITE_GUARD[-1]
+  if id(variable) not in guarded[0]:
     return
   watched, callback, hook = guarded
+  if callback is None:
+    raise ValueError(
+        f"A metric wrote the variable '{variable.name}' of the model in the "
+        "private step's logs, which are computed from the batch without "
+        "noise: the next steps' gradients (and the saved weights) would "
+        "read it without noise (a review: 8C for a bound of 2C). A metric "
+        "must keep its state in variables of its own (add_variable), not "
+        "in the model's.")
   raise ValueError(
       f"Callback {callback}.{hook} wrote the variable '{variable.name}' of "
       "the model or its optimizer during private training. Between steps a "
@@ -430,14 +445,41 @@ def _refuse_write(variable):
       "from the epoch, not from the training logs.)")
 
 
+@contextlib.contextmanager
+def model_unwritten(model):
+  """Within it (the private step's logs stage: metrics updated from the
+  batch), the model's variables may not be written: ``ValueError`` at the
+  write, when traced (or run eagerly), before any step runs with it."""
+  _guard_variable_writes()
+  watched = set()
+  for v in model.variables:
+    watched.add(id(v))
+    inner = getattr(v, "_value", None)
+    if isinstance(inner, tf.Variable):
+      watched.add(id(inner))
+  with _WRITE_GUARD_LOCK:
+    _WRITE_GUARD.append((watched, None, None))
+  try:
+    yield
+  finally:
+    with _WRITE_GUARD_LOCK:
+      _WRITE_GUARD.pop()
+
+
 def _watched(model):
   """ids of the tf.Variables behind the model's variables and its
-  optimizer's, but the learning rate (set by schedules between epochs)."""
+  optimizer's, but the learning rate (set by schedules between epochs).
+  Keras 3 or tf_keras (whose adapter wraps a Keras 3 optimizer)."""
   optimizer = getattr(model, "optimizer", None)
   variables = list(model.variables)
-  if optimizer is not None:
-    rate = getattr(optimizer, "_learning_rate", None)
-    variables += [v for v in optimizer.variables if v is not rate]
+  rates = []
+  for opt in (optimizer, getattr(optimizer, "keras_optimizer", None)):
+    if opt is None:
+      continue
+    rates.append(getattr(opt, "_learning_rate", None))
+    owned = getattr(opt, "variables", [])
+    variables += list(owned() if callable(owned) else owned)
+  variables = [v for v in variables if not any(v is r for r in rates)]
   ids = set()
   for v in variables:
     ids.add(id(v))
@@ -447,13 +489,84 @@ def _watched(model):
   return ids
 
 
-def _user_callbacks(callbacks):
-  """The callbacks whose class is not Keras' or this library's."""
+def _library_roots():
+  """The directories of Keras 3, tf_keras (when loaded), TensorFlow and this
+  package: code there is theirs."""
+  # (tf_keras by its module, if loaded: this package does not import it)
+  names = ("keras", "tensorflow", "tf_dpadambc", "tf" + "_keras")
+  roots = []
+  for name in names:
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if path:
+      roots.append(os.path.dirname(os.path.realpath(path)) + os.sep)
+  return tuple(roots)
+
+
+def _library_code(function, roots):
+  """True if ``function``'s code lives in ``roots`` (not a user's: found by
+  its file, not by a module name a class can claim)."""
+  function = getattr(function, "__func__", function)
+  code = getattr(function, "__code__", None)
+  return code is not None and os.path.realpath(
+      code.co_filename).startswith(roots)
+
+
+def _user_hooks(callbacks):
+  """(callback, hook) for every between-steps hook among ``callbacks`` whose
+  code is a user's: a custom class's, or a function set on an instance (a
+  ``LambdaCallback``'s)."""
   if _is_a(callbacks, "CallbackList"):
     callbacks = callbacks.callbacks
-  return [c for c in tf.nest.flatten(callbacks or [])
-          if not type(c).__module__.split(".")[0] in (
-              "keras", "tf_keras", "tf_dpadambc", "tensorflow")]
+  roots = _library_roots()
+  hooks = []
+  for callback in tf.nest.flatten(callbacks or []):
+    for hook in _BETWEEN_STEPS:
+      method = getattr(callback, hook, None)
+      if method is None or getattr(method, _WATCHING, False):
+        continue
+      if not _library_code(method, roots):
+        hooks.append((callback, hook))
+  return hooks
+
+
+_WATCHING = "_tf_dpadambc_watching"
+
+
+def watch_callbacks(model, callbacks):
+  """Wraps the between-steps hooks whose code is a user's among
+  ``callbacks`` (see :func:`callbacks_write_nothing`); returns a function
+  that unwraps them."""
+  hooks = _user_hooks(callbacks)
+  if not hooks:
+    return lambda: None
+  _guard_variable_writes()
+  watched = _watched(model)
+  wrapped = []
+  for callback, hook in hooks:
+    method = getattr(callback, hook)
+
+    def guarded(*args, _method=method, _hook=hook, _name=type(
+        callback).__name__, **kwargs):
+      with _WRITE_GUARD_LOCK:
+        _WRITE_GUARD.append((watched, _name, _hook))
+      try:
+        return _method(*args, **kwargs)
+      finally:
+        with _WRITE_GUARD_LOCK:
+          _WRITE_GUARD.pop()
+    setattr(guarded, _WATCHING, True)
+    # An instance's own hook (set in __init__) is put back as it was.
+    wrapped.append((callback, hook, vars(callback).get(hook)))
+    setattr(callback, hook, guarded)
+
+  def unwrap():
+    for callback, hook, own in wrapped:
+      if own is not None:
+        setattr(callback, hook, own)
+      elif hook in vars(callback):
+        delattr(callback, hook)
+  return unwrap
 
 
 @contextlib.contextmanager
@@ -466,34 +579,11 @@ def callbacks_write_nothing(model, callbacks):
   is watched: the training logs it is given are not private, and a value
   written from them into the model would train the next steps on them
   without noise."""
-  users = _user_callbacks(callbacks)
-  if not users:
-    yield
-    return
-  _guard_variable_writes()
-  watched = _watched(model)
-  wrapped = []
-  for callback in users:
-    for hook in _BETWEEN_STEPS:
-      method = getattr(callback, hook, None)
-      if method is None or hook in vars(callback):
-        continue
-
-      def guarded(*args, _method=method, _hook=hook, _name=type(
-          callback).__name__, **kwargs):
-        previous = getattr(_WRITE_GUARD, "state", None)
-        _WRITE_GUARD.state = (watched, _name, _hook)
-        try:
-          return _method(*args, **kwargs)
-        finally:
-          _WRITE_GUARD.state = previous
-      setattr(callback, hook, guarded)
-      wrapped.append((callback, hook))
+  unwrap = watch_callbacks(model, callbacks)
   try:
     yield
   finally:
-    for callback, hook in wrapped:
-      delattr(callback, hook)
+    unwrap()
 
 
 def refuse_log_driven_callbacks(model):
