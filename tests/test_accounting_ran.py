@@ -430,7 +430,8 @@ def test_an_epoch_that_repeats_the_data_is_not_taken_for_one_pass():
   assert eps >= _rdp((1.0, 3)) - 1e-9   # at least the 3 passes it held
   assert eps == pytest.approx(_rdp((1.0, 29)), rel=1e-9)
   text = dp.optimizer_privacy_statement(optimizer, N, DELTA)
-  assert "the data repeats within an epoch" in text
+  # Its pipeline repeats: not a pass (ledger.fit_data), before any count.
+  assert "can emit an element more than once" in text
   assert "upper bound" in text
 
 
@@ -450,7 +451,8 @@ def test_steps_per_epoch_over_a_repeated_dataset_is_not_under_counted():
   eps = _reported(optimizer)
   assert eps >= _rdp((1.0, 3))  # at least the 3 passes an example can see
   text = dp.optimizer_privacy_statement(optimizer, N, DELTA)
-  assert "upper bound" in text and "repeats within an epoch" in text
+  # Its pipeline repeats: not a pass (ledger.fit_data), before any count.
+  assert "upper bound" in text and "can emit an element more than once" in text
 
 
 # ------------------------------------------------ adjacency, named per run

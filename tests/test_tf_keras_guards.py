@@ -176,3 +176,24 @@ def test_an_assigned_optimizer_is_refused():
   _fit(model, x, y, batch_size=B)
   assert model.optimizer.keras_optimizer.steps_taken == N // B
   assert tf.is_tensor(model.optimizer.iterations)
+
+
+class _LossIntoWeights(tf_keras.callbacks.Callback):
+  """Writes the (un-noised) training loss into the model's bias."""
+
+  def on_train_batch_end(self, batch, logs=None):
+    bias = self.model.layers[0].bias
+    bias.assign(bias + float(logs["loss"]))
+
+
+@pytest.mark.parametrize("first_fit", [True, False])
+def test_a_callback_writing_the_logs_into_the_model_is_refused(first_fit):
+  """As for make_private's fit (tests/test_unit_reads.py): a custom
+  callback may not write the model's variables between steps, on the
+  first fit (watched from its first trace) and on later ones."""
+  model = _model(dptk.DPKerasAdamOptimizer(1.0, SIGMA, learning_rate=0.01))
+  x, y = _data()
+  if not first_fit:
+    _fit(model, x, y, batch_size=B)
+  with pytest.raises(ValueError, match="wrote the variable"):
+    _fit(model, x, y, batch_size=B, callbacks=[_LossIntoWeights()])

@@ -65,7 +65,9 @@ class _EpsilonCallback(keras.callbacks.Callback):
 
   # The epochs go to the optimizer's ledger (what the once-per-epoch ε
   # composes). make_private's fit records them itself; elsewhere (tf_keras)
-  # these callbacks do, taking each epoch for one pass over the data.
+  # these callbacks do: as passes over the data where the fit's data makes
+  # them passes (tf_keras' guard classifies it with ledger.fit_data, as
+  # make_private's fit does), else as batches that may hold any example.
   def _ledger(self):
     return ledger_lib.ledger_of(self.model.optimizer)
 
@@ -75,13 +77,13 @@ class _EpsilonCallback(keras.callbacks.Callback):
       return
     self._position_at_epoch_start = ledger.position()
     if not ledger_lib.is_recording(self.model.optimizer):
-      ledger.begin_epoch()
+      ledger.callback_epoch_begin()
 
   def _record_epoch_end(self):
     ledger = self._ledger()
     if ledger is not None and not ledger_lib.is_recording(
         self.model.optimizer):
-      ledger.end_epoch()
+      ledger.callback_epoch_end()
 
   def _epoch_batches(self):
     """Physical batches of the epoch that just ended."""

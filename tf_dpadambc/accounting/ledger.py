@@ -23,16 +23,20 @@ restored with the optimizer. Keras epochs are recorded by
 :class:`EpochRecorder` (installed on ``fit`` by ``make_private``) and by the
 privacy callbacks; a custom loop calls ``optimizer.accounting_ledger
 .end_epoch()`` after each pass. Batches no epoch accounts for (a custom loop
-that does not, ``fit`` over data of unknown size with ``steps_per_epoch``)
-are accounted as if each were a pass of its own: an upper bound on ε, which
-the statement says.
+that does not, ``fit`` over data of unknown size with ``steps_per_epoch``,
+``fit`` over data whose epochs need not be passes: :func:`fit_data`, which
+reads a tf.data pipeline's ops) are accounted as if each were a pass of its
+own: an upper bound on ε, which the statement says.
 """
+import collections
 import dataclasses
 import inspect
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tf_dpadambc.accounting import pipelines
 
 # Why the accounting is an upper bound (bits of LedgerState.reasons).
 UNKNOWN = 1          # batches ran outside any recorded epoch
@@ -41,6 +45,8 @@ ABORTED = 4          # an epoch began but its end was never recorded
 SUB_EPOCHS = 8       # steps_per_epoch: each epoch counted as a whole pass
 REBASED = 16         # restored mid-accumulation: unreleased batches dropped
 LONG_EPOCH = 32      # an epoch held more batches than one pass over N can
+MAY_REPEAT = 64      # fit's data can hold an example twice within an epoch
+STRADDLES = 128      # tf_keras: steps_per_epoch cut arrays across passes
 
 REASONS = {
     UNKNOWN: "{unknown} physical batch(es) ran outside a recorded epoch (a "
@@ -58,8 +64,21 @@ REASONS = {
     LONG_EPOCH: "the epochs held more batches or examples than passes over "
                 "the N training examples can (the data repeats within an "
                 "epoch, e.g. Dataset.repeat before fit, possibly cut by "
-                "steps_per_epoch), so every batch was accounted as if it "
+                "steps_per_epoch, or a dataset longer than one pass), so "
+                "every batch was accounted as if it could hold any example",
+    MAY_REPEAT: "fit's data is not known to hold each example at most once "
+                "per epoch (a tf.data pipeline with a transformation that "
+                "can emit an element more than once — repeat, concatenate, "
+                "window, flat_map/interleave, a map that reads data by index "
+                "or runs Python — or a Python generator, PyDataset or other "
+                "data fit cannot see into), so its epochs need not be passes "
+                "over the data; their batches were accounted as if each "
                 "could hold any example",
+    STRADDLES: "tf_keras' fit ran on arrays with a steps_per_epoch other "
+               "than their number of batches, so its epochs ran across two "
+               "reshuffled passes (an example can be in two batches of one "
+               "epoch); their batches were accounted as if each could hold "
+               "any example",
 }
 NOTES = {
     SUB_EPOCHS: "fit ran with steps_per_epoch: each of its epochs was counted "
@@ -73,11 +92,13 @@ NOTES = {
 STATE_SIZE = 32
 _VERSION = 1
 # Slot 23 holds the physical batches the model ran under the DP optimizers
-# it was compiled with before this one, slot 26 the smallest N a Poisson
+# it was compiled with before this one, slot 24 the most batches one
+# iteration of a dataset fit trained on holds, slot 26 the smallest N a Poisson
 # dataset fed to fit sampled from, slots 27..31 the cyclic Poisson record
 # (the branches use at most 13 + 5·2 = 23 slots: the dynamic program keeps
 # ≤ 2 branches).
 _PRIOR_SLOT = 23
+_DATA_SLOT = 24
 _POISSON_SLOT = 26
 _CP_SLOT = 27
 CP_BROKEN = 1
@@ -165,6 +186,12 @@ class LedgerState:
   # Physical batches released by the DP optimizers the model was compiled
   # with before this one (their releases are in its weights).
   prior_batches: int = 0
+  # The most batches one iteration of a finite dataset fit trained on holds
+  # (its cardinality; 0: none known). Keras never runs an epoch across two
+  # iterations of a dataset, so with steps_per_epoch its epochs are parts of
+  # one iteration, which must itself be a pass: more batches than one pass
+  # over N can hold means the data repeats.
+  data_batches: int = 0
 
   # ------------------------------------------------------------ encoding
   def encode(self):
@@ -181,6 +208,7 @@ class LedgerState:
                                     r.more_count]
     out[_POISSON_SLOT] = self.poisson_examples
     out[_PRIOR_SLOT] = self.prior_batches
+    out[_DATA_SLOT] = self.data_batches
     out[_CP_SLOT:_CP_SLOT + 5] = [self.cp_groups, self.cp_batch_size,
                                   self.cp_examples, self.cp_batches,
                                   self.cp_flags]
@@ -204,7 +232,7 @@ class LedgerState:
                cp_groups=v[_CP_SLOT], cp_batch_size=v[_CP_SLOT + 1],
                cp_examples=v[_CP_SLOT + 2], cp_batches=v[_CP_SLOT + 3],
                cp_flags=v[_CP_SLOT + 4], poisson_examples=v[_POISSON_SLOT],
-               prior_batches=v[_PRIOR_SLOT])
+               prior_batches=v[_PRIOR_SLOT], data_batches=v[_DATA_SLOT])
 
   def copy(self):
     return dataclasses.replace(self, branches=dict(self.branches))
@@ -315,6 +343,14 @@ class LedgerState:
     self.commit(position, known=True)
     self.open = False
 
+  def abandon(self, position, reason):
+    """The epoch open at ``position`` is not a pass after all (the tf_keras
+    guard learns it once fit's first epoch began): what follows is recorded
+    as batches of no known pass (``reason``), never as an epoch."""
+    self.rebase(position)
+    self.commit(position, known=False, reason=reason)
+    self.open = False
+
   def close_open(self, position):
     """Ends an open epoch (an interrupted ``fit``: its batches so far are a
     prefix of one pass); no-op when none is open."""
@@ -378,7 +414,8 @@ class RunStructure:
 
   @property
   def is_upper_bound(self):
-    return bool(self.reasons & (UNKNOWN | NOT_PASSES | ABORTED | LONG_EPOCH))
+    return bool(self.reasons & (UNKNOWN | NOT_PASSES | ABORTED | LONG_EPOCH
+                                | MAY_REPEAT | STRADDLES))
 
   def upper_bound_reasons(self):
     """Why ε is an upper bound (sentences; empty if it is not one)."""
@@ -453,6 +490,9 @@ class AccountingLedger:
     # The DP optimizer the model was compiled with before this one, in this
     # process (follow_run); its run composes with this one's.
     self.prior_run = None
+    # The FitData of the tf_keras fit running (set by tf_keras.guards), read
+    # by the privacy callbacks that record its epochs; None elsewhere.
+    self.running_fit_data = None
 
   @property
   def _k(self):
@@ -523,6 +563,36 @@ class AccountingLedger:
     """The batches since the last boundary belong to no known pass."""
     self._update(lambda s, p: s.commit(p, known=False, reason=reason))
 
+  def note_data_batches(self, batches):
+    """fit trains on a finite dataset of ``batches`` batches per iteration."""
+    if batches and batches > 0:
+      self._update(lambda s, _: setattr(
+          s, "data_batches", max(s.data_batches, int(batches))))
+
+  def begin_fit(self, data):
+    """A tf_keras fit on data classified by :func:`fit_data` runs (the
+    tf_keras guard; Keras 3's :func:`track_fit` uses an EpochRecorder): the
+    privacy callbacks record its epochs as passes only if they are. An epoch
+    already opened by them (fit's first, before its step was traced) is
+    abandoned when they are not."""
+    self.running_fit_data = data
+    self.note_data_batches(data.batches)
+    if not data.passes:
+      self._update(lambda s, p: s.abandon(p, data.reason)
+                   if s.open else None)
+
+  def callback_epoch_begin(self):
+    """A privacy callback saw an epoch begin (no tracked fit records it)."""
+    if self.running_fit_data is None or self.running_fit_data.passes:
+      self.begin_epoch()
+
+  def callback_epoch_end(self):
+    """A privacy callback saw an epoch end (no tracked fit records it)."""
+    if self.running_fit_data is None or self.running_fit_data.passes:
+      self.end_epoch()
+    else:
+      self.record_unknown(self.running_fit_data.reason)
+
   def record_cyclic_poisson(self, change):
     """Applies ``change(state, position)`` to the cyclic Poisson record
     (accounting.cyclic's recorder)."""
@@ -584,14 +654,18 @@ class AccountingLedger:
     ``longest_pass``: the most physical batches one pass over the training
     set can hold (ceil(N / b)), where N is known. A recorded epoch longer
     than that repeats data, so it cannot be one pass: then every batch is
-    accounted as its own pass (an upper bound, said in the statement).
+    accounted as its own pass (an upper bound, said in the statement). So
+    is a dataset fit trained on whose one iteration holds more batches
+    (``data_batches``: its epochs, cut by steps_per_epoch, were parts of
+    an iteration that was not a pass).
     ``conservative``: the caller knows the epochs were not passes (more
     examples ran than they can hold): every batch its own pass.
     """
     position = self.position()
-    result = self.state().structure(position, extra_epoch_batches)
-    if conservative or (longest_pass
-                        and result.max_epoch_batches > longest_pass):
+    state = self.state()
+    result = state.structure(position, extra_epoch_batches)
+    if conservative or (longest_pass and max(
+        result.max_epoch_batches, state.data_batches) > longest_pass):
       everything = LedgerState(k=self._k)
       everything.commit(position + extra_epoch_batches, known=False,
                         reason=LONG_EPOCH)
@@ -607,6 +681,59 @@ def ledger_of(optimizer):
 
 
 # ------------------------------------------------------------------- fit
+FitData = collections.namedtuple("FitData", ["passes", "reason", "batches",
+                                             "why"])
+FitData.__doc__ = """How fit's epochs on some data are accounted (:func:`fit_data`):
+passes (each epoch one pass over the data, as the once-per-epoch ε assumes),
+else the reason bit for the statement; the batches one iteration of a finite
+dataset holds (0: unknown or not a dataset); why, a phrase (None: passes)."""
+
+
+def _arrays(x):
+  leaves = tf.nest.flatten(x)
+  return bool(leaves) and all(
+      isinstance(leaf, (np.ndarray, tf.Tensor, np.generic))
+      or type(leaf).__module__.startswith("pandas") for leaf in leaves)
+
+
+def fit_data(x, steps_per_epoch=None, batch_size=None, validation_split=0.,
+             tf_keras=False):
+  """Whether ``fit``'s epochs on ``x`` are passes over the data: the one
+  decision for Keras 3 (:func:`track_fit`) and tf_keras (its guard).
+
+  Passes: arrays or tensors (the frameworks' own array pipelines: each
+  epoch one permutation), and finite ``tf.data`` datasets whose pipeline
+  emits each element at most once (``pipelines.repeats``). Neither
+  framework runs an epoch across two iterations of such a dataset (with
+  ``steps_per_epoch`` they cut one iteration into epochs, each counted as a
+  pass). Not passes (every batch accounted as if it could hold any example):
+  infinite datasets (``NOT_PASSES``), pipelines that can emit an element
+  twice, Python generators, ``PyDataset``/``Sequence`` and any other input
+  (``MAY_REPEAT``), and on tf_keras, arrays cut by a ``steps_per_epoch``
+  other than their number of batches (its array pipeline runs the epochs'
+  permutations back to back: ``STRADDLES``).
+  """
+  if isinstance(x, tf.data.Dataset):
+    cardinality = int(x.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+      return FitData(False, NOT_PASSES, 0, "the dataset is infinite")
+    problem = pipelines.repeats(x)
+    if problem:
+      return FitData(False, MAY_REPEAT, 0, problem)
+    return FitData(True, 0, max(cardinality, 0), None)
+  if _arrays(x):
+    if tf_keras and steps_per_epoch:
+      rows = int(tf.nest.flatten(x)[0].shape[0])
+      rows = int(np.floor(rows * (1. - (validation_split or 0.))))
+      batch = batch_size or (-(-rows // steps_per_epoch) or 32)
+      if steps_per_epoch != -(-rows // batch):
+        return FitData(False, STRADDLES, 0,
+                       "steps_per_epoch cuts tf_keras' passes over arrays")
+    return FitData(True, 0, 0, None)
+  return FitData(False, MAY_REPEAT, 0,
+                 f"fit cannot see into a {type(x).__name__}")
+
+
 def _finite(x):
   """True if ``fit`` stops an epoch where the data ends (its size is known
   and finite): NumPy arrays and tensors, finite ``tf.data`` datasets,
@@ -625,10 +752,12 @@ class EpochRecorder(keras.callbacks.Callback):
   """Records ``fit``'s epochs in the optimizer's ledger, as passes over the
   data when they are (``epochs_are_passes``), else as unknown batches."""
 
-  def __init__(self, epochs_are_passes=True, sub_epochs=False):
+  def __init__(self, epochs_are_passes=True, sub_epochs=False,
+               reason=NOT_PASSES):
     super().__init__()
     self.epochs_are_passes = epochs_are_passes
     self.sub_epochs = sub_epochs
+    self.reason = reason
 
   def _ledger(self):
     return ledger_of(getattr(self.model, "optimizer", None))
@@ -650,7 +779,7 @@ class EpochRecorder(keras.callbacks.Callback):
     if self.epochs_are_passes:
       ledger.end_epoch()
     else:
-      ledger.record_unknown(NOT_PASSES)
+      ledger.record_unknown(self.reason)
 
   def finish(self):
     """After ``fit`` (also when it raised): an epoch cut short is a prefix
@@ -661,7 +790,7 @@ class EpochRecorder(keras.callbacks.Callback):
     if self.epochs_are_passes:
       ledger.close_open_epoch()
     else:
-      ledger.record_unknown(NOT_PASSES)
+      ledger.record_unknown(self.reason)
 
 
 _FIT_MARK = "_tf_dpadambc_ledger_fit"
@@ -684,10 +813,19 @@ def track_fit(model):
     check_poisson_data(getattr(model, "optimizer", None),
                         arguments.get("x"))
     steps_per_epoch = arguments.get("steps_per_epoch")
-    finite = _finite(arguments.get("x"))
+    ledger = ledger_of(getattr(model, "optimizer", None))
+    if _is_poisson(getattr(model, "optimizer", None)):
+      # Poisson batches: the ε counts steps, not epochs (unchanged).
+      finite = _finite(arguments.get("x"))
+      data = FitData(steps_per_epoch is None or finite, NOT_PASSES, 0, None)
+    else:
+      data = fit_data(arguments.get("x"), steps_per_epoch)
+      if ledger is not None:
+        ledger.note_data_batches(data.batches)
     recorder = EpochRecorder(
-        epochs_are_passes=steps_per_epoch is None or finite,
-        sub_epochs=steps_per_epoch is not None and finite)
+        epochs_are_passes=data.passes,
+        sub_epochs=steps_per_epoch is not None and data.passes,
+        reason=data.reason)
     # Cyclic Poisson batches: verified step by step (accounting.cyclic).
     from tf_dpadambc.accounting import cyclic  # pylint: disable=g-import-not-at-top
     cyclic_recorder = cyclic.recorder_for(arguments.get("x"))
@@ -702,7 +840,6 @@ def track_fit(model):
     arguments["callbacks"] = callbacks
     for callback in ours:
       callback.set_model(model)
-    ledger = ledger_of(getattr(model, "optimizer", None))
     if ledger is not None:
       ledger.recorder = recorder
     try:
@@ -715,6 +852,11 @@ def track_fit(model):
   setattr(tracked_fit, _FIT_MARK, True)
   tracked_fit.__doc__ = fit.__doc__
   object.__setattr__(model, "fit", tracked_fit)
+
+
+def _is_poisson(optimizer):
+  return getattr(getattr(optimizer, "keras_optimizer", optimizer),
+                 "expected_batch_size", None) is not None
 
 
 def check_poisson_data(optimizer, x):
