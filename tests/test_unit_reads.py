@@ -211,3 +211,33 @@ def test_a_metric_writing_into_the_model_is_refused(run_eagerly):
                 run_eagerly=run_eagerly)
   history = model.fit(x, y, batch_size=B, verbose=0)
   assert {"mae", "root_mean_squared_error"} <= set(history.history)
+
+
+class _HookOnInstance(keras.callbacks.Callback):
+  """Sets its hook on the instance (not the class)."""
+
+  def __init__(self):
+    super().__init__()
+    self.on_train_batch_end = self._write
+
+  def _write(self, batch, logs=None):
+    self.model.get_layer("context").context.assign(float(logs["loss"]))
+
+
+@pytest.mark.parametrize("make", [
+    lambda model: keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: model.get_layer(
+            "context").context.assign(float(logs["loss"]))),
+    lambda model: _HookOnInstance(),
+], ids=["LambdaCallback", "hook on the instance"])
+def test_user_code_in_a_keras_callback_or_an_instance_hook_is_watched(make):
+  """A hook is told by its code's file, not by its class's module: a
+  LambdaCallback runs the user's functions, and a hook set on an instance
+  escaped a check of the class (a review: 737 for a bound of 1)."""
+  model = _context_model()
+  x = np.random.default_rng(2).normal(size=(2 * B, D)).astype("float32")
+  y = np.ones((2 * B, 1), "float32")
+  callback = make(model)
+  with pytest.raises(ValueError, match="wrote the variable 'context/context"):
+    model.fit(x, y, batch_size=B, verbose=0, callbacks=[callback])
+  assert float(model.get_layer("context").context.numpy()) == 0.0
