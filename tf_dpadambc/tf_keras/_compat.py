@@ -97,9 +97,10 @@ def traced_batch_norm(tensor):
   Not tf_keras' LayerNormalization, which computes per-row statistics with
   the same kernel on its input reshaped to [1, rows, features, 1] (NCHW:
   one statistic per row, the examples in the channels): it was refused as
-  batch normalization. Whatever else such an op could do, the per-unit
-  losses are compared with the batch's on every step of fit (a layer that
-  mixes examples then zeroes the step and raises)."""
+  batch normalization. Whatever else such an op could do, fit evaluates
+  each unit alone (its rows only), and compares the per-unit losses with
+  the batch's on every step (a layer that mixes examples makes fit
+  raise)."""
   if tf.executing_eagerly() or not hasattr(tensor, "graph"):
     return None
   for op in tensor.graph.get_operations():
