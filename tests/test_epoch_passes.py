@@ -57,6 +57,55 @@ def _one_hot_lookup(table):
   return tf.data.Dataset.range(N).map(row).batch(B)
 
 
+def _drawn(i):
+  """An index in [0, N) drawn from element i (with replacement)."""
+  return tf.random.stateless_uniform([], seed=tf.stack([i, 0 * i]),
+                                     maxval=N, dtype=tf.int64)
+
+
+def _hash_table():
+  keys = tf.range(N, dtype=tf.int64)
+  return tf.lookup.experimental.DenseHashTable(
+      tf.int64, tf.float32, default_value=tf.zeros([4]), empty_key=-1,
+      deleted_key=-2)
+
+
+def _table_lookup():
+  table = _hash_table()
+  table.insert(tf.range(N, dtype=tf.int64), tf.constant(_data()[0]))
+  return tf.data.Dataset.range(N).map(
+      lambda i: table.lookup(_drawn(i))).batch(B)
+
+
+_LAG = []
+
+
+def _lag_feature():
+  """Each element carries the previous one: a variable written by the map."""
+  _LAG[:] = [tf.Variable(tf.zeros([4]))]
+  def lag(a, b):
+    previous = tf.identity(_LAG[0].read_value())
+    with tf.control_dependencies([previous]):
+      _LAG[0].assign(a)
+    return (tf.concat([a, previous], 0), b)
+  return _slices().map(lag).batch(B)
+
+
+_MEAN = tf.constant(_data()[0].mean(0))
+_STD = tf.constant(_data()[0].std(0))
+
+
+def _normalized():
+  """A Keras Normalization layer (its statistics are variables) in a map."""
+  layer = keras.layers.Normalization()
+  layer.adapt(_data()[0])
+  return _slices().map(lambda a, b: (layer(a), b)).batch(B)
+
+
+def _large(n=2048):
+  return tf.constant(np.random.default_rng(1).normal(size=(n, 4)), tf.float32)
+
+
 # ------------------------------------------------------------- classifier
 @pytest.mark.parametrize("name, make, passes, reason", [
     ("repeat(1)", lambda: _slices().repeat(1).batch(B), True, 0),
@@ -108,6 +157,56 @@ def _one_hot_lookup(table):
      False, ledger_lib.MAY_REPEAT),
     ("py_function", lambda: _slices().map(lambda a, b: (tf.py_function(
         lambda v: v, [a], tf.float32), b)), False, ledger_lib.MAY_REPEAT),
+    # Lookups by any op (a review found tf.roll, a hash table and a pooling
+    # of a masked table passing as element-wise maps): a map's result may
+    # not depend on large outside data, and small captures only pass
+    # through element-wise arithmetic.
+    ("roll of a captured table", lambda: tf.data.Dataset.range(N).map(
+        lambda i: tf.roll(tf.constant(_data()[0]), -_drawn(i), 0)[0]).batch(B),
+     False, ledger_lib.MAY_REPEAT),
+    ("dynamic_partition of a captured table", lambda: tf.data.Dataset.range(
+        N).map(lambda i: tf.dynamic_partition(
+            tf.constant(_data()[0]), tf.cast(tf.equal(
+                tf.range(N, dtype=tf.int64), _drawn(i)), tf.int32), 2)[1]
+               ).batch(B), False, ledger_lib.MAY_REPEAT),
+    ("hash table keyed by a drawn index", _table_lookup, False,
+     ledger_lib.MAY_REPEAT),
+    ("a large table in every element", lambda: tf.data.Dataset.range(N).map(
+        lambda i: (_large(), i)).batch(B), False, ledger_lib.MAY_REPEAT),
+    ("a row of a large table added", lambda: _slices().map(
+        lambda a, b: (a + _large()[0], b)).batch(B), False,
+     ledger_lib.MAY_REPEAT),
+    ("lag feature through a variable", _lag_feature, False,
+     ledger_lib.MAY_REPEAT),
+    ("a file not named by the element", lambda: tf.data.Dataset.range(N).map(
+        lambda i: tf.io.read_file(__file__)).batch(B), False,
+     ledger_lib.MAY_REPEAT),
+    # Maps on batches (nothing batches after them) can mix a batch's rows.
+    ("MixUp after batch", lambda: _slices().batch(B).map(
+        lambda a, b: (0.7 * a + 0.3 * tf.reverse(a, [0]), b)), False,
+     ledger_lib.MAY_REPEAT),
+    ("batch concatenated with itself", lambda: _slices().batch(B).map(
+        lambda a, b: (tf.concat([a, a], 0), tf.concat([b, b], 0))), False,
+     ledger_lib.MAY_REPEAT),
+    ("labels broadcast across rows", lambda: _slices().batch(B).map(
+        lambda a, b: (a * tf.cast(b, tf.float32), b)), False,
+     ledger_lib.MAY_REPEAT),
+    ("pre-batched source, batch mean", lambda: tf.data.Dataset
+     .from_tensor_slices((_data()[0].reshape(-1, B, 4),
+                          _data()[1].reshape(-1, B))).map(
+                              lambda a, b: (a - tf.reduce_mean(a, 0), b)),
+     False, ledger_lib.MAY_REPEAT),
+    ("rescale and one-hot after batch", lambda: _slices().batch(B).map(
+        lambda a, b: ((tf.cast(a, tf.float32) - 0.5) / 2.0,
+                      tf.one_hot(b, 2))).prefetch(1), True, 0),
+    ("restructure after batch", lambda: _slices().batch(B).map(
+        lambda a, b: ({"x": a}, b)), True, 0),
+    ("normalize by captured eager statistics", lambda: _slices().map(
+        lambda a, b: ((a - _MEAN) / _STD, b)).batch(B), True, 0),
+    ("keras Normalization before batch", lambda: _normalized(), True, 0),
+    ("random augmentation before batch", lambda: _slices().map(
+        lambda a, b: (tf.image.random_brightness(tf.image.random_flip_left_right(
+            tf.reshape(a, [2, 2, 1])), 0.1), b)).batch(B), True, 0),
     ("arrays", lambda: _data(), True, 0),
     ("PyDataset", _Batches, False, ledger_lib.MAY_REPEAT),
     ("generator", lambda: (b for b in [_data()]), False,

@@ -52,31 +52,80 @@ PASS_OPS = _ALIGNED_OPS | frozenset([
     "RepeatDataset", "ShuffleAndRepeatDataset"])
 # Attributes naming the functions a dataset op applies to each element.
 _FUNCTION_ATTRS = ("f", "predicate")
-# Ops of a map function that read data the element does not carry when what
-# they read from (input 0) is not derived from the element: a map may
-# transform its element, or read the file its element names, but a lookup by
-# index into a table (x[i] for an index i, random or not) can return one
-# example for several elements (a review: indices drawn with replacement).
-_READ_OPS = frozenset([
-    "Gather", "GatherV2", "GatherNd", "ResourceGather", "ResourceGatherNd",
-    "StridedSlice", "Slice", "ResourceStridedSliceAssign", "TensorListGetItem",
-    "TensorListGather", "TensorArrayReadV3", "TensorArrayGatherV3",
-    "ReadFile", "BatchGather", "SparseSlice", "EmbeddingLookup"])
-# Ops of a map function that combine values across an axis: applied to a
-# tensor from outside the element (a capture, a large constant) and to the
-# element, a lookup by arithmetic (a one-hot row selector times a table: a
-# review, ε 9.01 for 21.4) as much as a gather is.
-_COMBINE_OPS = frozenset([
-    "Sum", "Prod", "Max", "Min", "Mean", "All", "Any", "ArgMax", "ArgMin",
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-    "SparseMatMul", "Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2dNative",
-    "Cumsum", "Cumprod", "TopKV2", "SegmentSum", "SegmentMax", "SegmentMin",
-    "SegmentMean", "SegmentProd", "UnsortedSegmentSum", "UnsortedSegmentMax",
-    "UnsortedSegmentMin", "UnsortedSegmentProd", "TensorScatterUpdate",
-    "TensorScatterAdd", "ScatterNd", "DynamicStitch", "ParallelDynamicStitch"])
-# A constant of more elements than this in a map function is data (a table
-# baked into the graph), not a parameter of a transformation.
-_LARGE_CONSTANT = 1024
+# Inside a map or filter function every value is tainted by what it is
+# computed from: the element (ELEMENT); small values from outside it (SMALL:
+# captured constants and variables of at most _SMALL_ELEMENTS entries, the
+# parameters of a transformation such as a normalization's mean and
+# variance); and large or opaque ones (LARGE: bigger captures, variables of
+# unknown size, lookup tables, large constants, files it does not name,
+# anything made without inputs but a small constant). SMALL values may only
+# pass through element-wise arithmetic (and seed random ops); LARGE ones may
+# not reach the function's result at all. A lookup — by index, by a shift
+# (tf.roll), in a hash table, by a one-hot selector times a table, by a
+# pooling — is then refused whatever op it takes (reviews: indices drawn with
+# replacement, a one-hot selector, a roll and a hash table keyed by index
+# each reported ε 9.01 for 13.78–21.4): an allowlist, never a denylist of
+# lookup ops.
+_SMALL_ELEMENTS = 1024
+_SMALL_BYTES = 8192
+# Constants inside a function of at most this many entries are an op's
+# parameters (an axis, a shape, slice bounds, a one-hot depth); larger ones
+# are data, SMALL or LARGE like captures.
+_PARAMETER_ELEMENTS = 16
+# Ops computing each output entry from the same entry of their inputs (with
+# broadcasting), or moving whole values without choosing among them by
+# another value.
+_ELEMENTWISE_OPS = frozenset([
+    "Identity", "IdentityN", "Cast", "Bitcast", "Neg", "Abs", "Sign",
+    "Square", "Sqrt", "Rsqrt", "Exp", "Expm1", "Log", "Log1p", "Sin", "Cos",
+    "Tan", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus",
+    "Floor", "Ceil", "Round", "Rint", "Reciprocal", "Inv", "IsFinite",
+    "IsNan", "IsInf", "LogicalNot", "Add", "AddV2", "Sub", "Mul", "MulNoNan",
+    "Div", "DivNoNan", "RealDiv", "FloorDiv", "FloorMod", "TruncateDiv",
+    "TruncateMod", "Mod", "Pow", "Maximum", "Minimum", "SquaredDifference",
+    "BiasAdd", "ClipByValue", "Equal", "NotEqual", "Less", "LessEqual",
+    "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "Select",
+    "SelectV2", "Reshape", "ExpandDims", "Squeeze", "BroadcastTo",
+    "StopGradient", "PreventGradient", "EnsureShape", "CheckNumerics",
+    "NoOp", "ReadVariableOp", "Pack", "ConcatV2", "Tile", "Fill",
+    "ZerosLike", "OnesLike"])
+# Random ops: their outputs are noise, a function of a seed (which may be a
+# small variable: a Keras SeedGenerator) and of a shape, not a choice among
+# their inputs' values. (Not shuffles or crops: those choose.)
+_RANDOM_PREFIXES = ("StatelessRandom", "RandomUniform", "RandomStandardNormal",
+                    "TruncatedNormal", "StatelessTruncatedNormal",
+                    "StatelessParameterizedTruncatedNormal", "RandomGamma",
+                    "RandomPoisson", "StatelessMultinomial", "Multinomial",
+                    "RngReadAndSkip", "RngSkip", "StatefulUniform",
+                    "StatefulStandardNormal", "StatefulTruncatedNormal",
+                    "StatefulRandomBinomial", "StatelessRandomGetKeyCounter")
+# A map on batches (no batching op after it: fit takes its results as they
+# are) sees every example of a batch at once and can mix them across rows
+# (a MixUp of each row with another, a concatenation of the batch with
+# itself: each example in two rows, sensitivity 2C). Without shapes in the
+# graph, row locality holds for these only: restructuring and casts, unary
+# arithmetic, arithmetic with a scalar constant, a one-hot of the last axis.
+_BATCH_MAP_UNARY_OPS = frozenset([
+    "Identity", "IdentityN", "NoOp", "Cast", "EnsureShape", "CheckNumerics",
+    "StopGradient", "Neg", "Abs", "Sign", "Square", "Sqrt", "Rsqrt", "Exp",
+    "Expm1", "Log", "Log1p", "Tanh", "Sigmoid", "Relu", "Floor", "Ceil",
+    "Round", "Rint", "Reciprocal", "IsFinite", "IsNan", "IsInf",
+    "LogicalNot"])
+_BATCH_MAP_SCALAR_OPS = frozenset([
+    "Add", "AddV2", "Sub", "Mul", "Div", "DivNoNan", "RealDiv", "FloorDiv",
+    "FloorMod", "Pow", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
+    "LessEqual", "Greater", "GreaterEqual", "ClipByValue"])
+_BATCHING_OPS = frozenset([
+    "BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
+    "PaddedBatchDatasetV2", "ParallelBatchDataset", "MapAndBatchDataset"])
+# Dataset ops whose function (attribute "f") is applied to batches when no
+# batching op follows them.
+_MAP_OPS = frozenset(["MapDataset", "ParallelMapDataset",
+                      "ParallelMapDatasetV2"])
+# Ops whose output carries only shapes, never values.
+_SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+# Ops that read data that is not their inputs' (a file by name).
+_READER_OPS = frozenset(["ReadFile", "MatchingFiles", "ImmutableConst"])
 # Arbitrary Python: can return anything.
 _OPAQUE_OPS = frozenset(["PyFunc", "PyFuncStateless", "EagerPyFunc"])
 # Non-dataset nodes of a pipeline's graph: its parameters (the counts, sizes
@@ -85,10 +134,11 @@ _PARAMETER_OPS = frozenset([
     "Const", "_Retval", "Identity", "NoOp", "VarHandleOp", "HashTableV2",
     "MutableHashTableV2", "MutableHashTableOfTensorsV2",
     "MutableDenseHashTableV2", "InitializeTableV2",
-    "InitializeTableFromTensorV2", "LookupTableImportV2"])
+    "InitializeTableFromTensorV2", "LookupTableImportV2", "AssignVariableOp"])
 _CALL_OPS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
 _BRANCH_OPS = frozenset(["If", "StatelessIf", "Case", "StatelessCase"])
 _LOOP_OPS = frozenset(["While", "StatelessWhile"])
+ELEMENT, SMALL, LARGE = "element", "small", "large"
 
 
 def _source(ref):
@@ -99,76 +149,186 @@ def _source(ref):
   return ref.split(":")[0]
 
 
-def _function_problem(library, name, element_args, seen):
-  """Why the map function ``name`` may not be element-wise (None if it
-  is): ``element_args``, the indices of its arguments that carry the
-  element (the others are captured tensors)."""
+def _small_const(node):
+  return (node.op == "Const" and _elements(node) <= _SMALL_ELEMENTS
+          and node.attr["value"].tensor.ByteSize() <= _SMALL_BYTES)
+
+
+def _writes_state(op):
+  """Ops that write a resource (a variable, a table): what one element
+  writes, a later one can read."""
+  return (op.startswith(("Assign", "ResourceScatter", "ResourceApply",
+                         "ResourceSparseApply", "LookupTableInsert",
+                         "LookupTableRemove", "LookupTableImport",
+                         "ScatterNd", "ResourceStridedSliceAssign"))
+          and op != "ScatterNd")
+
+
+def _capture_taint(nodes, ref):
+  """SMALL or LARGE: what a captured argument of a dataset op's function
+  is, from the pipeline graph's node that feeds it."""
+  node = nodes.get(_source(ref))
+  while node is not None and node.op == "Identity" and node.input:
+    node = nodes.get(_source(node.input[0]))
+  if node is None:
+    return LARGE
+  if _small_const(node):
+    return SMALL
+  if node.op == "VarHandleOp":
+    dims = node.attr["shape"].shape.dim
+    count = 1
+    for dim in dims:
+      count *= dim.size if dim.size >= 0 else _SMALL_ELEMENTS + 1
+    if not node.attr["shape"].shape.unknown_rank and count <= _SMALL_ELEMENTS:
+      return SMALL
+  return LARGE
+
+
+def _function_problem(library, name, arg_taints, seen, top=False):
+  """Why the map or filter function ``name`` may not act on its element
+  alone (None if it does). ``arg_taints``: for each argument, the set of
+  taints it carries (ELEMENT, SMALL, LARGE). ``top``: the dataset op's own
+  function, whose result is the element (a called function's result is
+  tainted in its caller by all the call's inputs)."""
   function = library.get(name)
   if function is None:
     return f"function {name} not in the graph"
-  key = (name, tuple(sorted(element_args)))
+  key = (name, tuple(tuple(sorted(t)) for t in arg_taints))
   if key in seen:
     return None
   seen.add(key)
-  args = [a.name for a in function.signature.input_arg]
-  derived = {args[i] for i in element_args if i < len(args)}
-  # From outside the element: captured arguments and large constants.
-  outside = {a for i, a in enumerate(args) if i not in element_args}
   nodes = list(function.node_def)
-  outside |= {node.name for node in nodes
-              if node.op == "Const" and _elements(node) > _LARGE_CONSTANT}
-  derived, outside = _reached(nodes, derived), _reached(nodes, outside)
+  taints = {}
+  for i, arg in enumerate(function.signature.input_arg):
+    taints[arg.name] = set(arg_taints[i]) if i < len(arg_taints) else {LARGE}
+  for node in nodes:
+    data_inputs = [r for r in node.input if not r.startswith("^")]
+    if node.op == "Const":  # parameters (axes, shapes, slice bounds), or data
+      taints[node.name] = (set() if _elements(node) <= _PARAMETER_ELEMENTS
+                           else {SMALL} if _small_const(node) else {LARGE})
+    elif not data_inputs:
+      taints[node.name] = {LARGE}  # a handle, a table, a reader's state
+  taints = _propagate(nodes, taints)
   for node in nodes:
     op = node.op
     inputs = [r for r in node.input if not r.startswith("^")]
+    held = [taints.get(_source(r), set()) for r in inputs]
+    union = set().union(*held) if held else set()
     if op in _OPAQUE_OPS:
       return f"a map function runs Python ({op})"
     if "Dataset" in op:
       return f"a map function builds a dataset ({op})"
-    if op in _READ_OPS and inputs and _source(inputs[0]) not in derived:
-      return (f"a map function reads data its element does not carry ({op} "
-              "of a tensor outside the element: a lookup by index)")
-    if op in _COMBINE_OPS and node.name in derived and any(
-        _source(r) in outside for r in inputs):
-      return (f"a map function combines its element with a tensor from "
-              f"outside it ({op}: a lookup by arithmetic)")
+    if _writes_state(op):
+      # What one element writes, a later one can read (a lag feature); a
+      # large value written into a small variable would pass as small. A
+      # small one (a Keras SeedGenerator's next state) is left to the rule
+      # below, applied to the ops that computed it.
+      if held[1:] and {ELEMENT, LARGE} & set().union(*held[1:]):
+        return (f"a map function writes its element or outside data into "
+                f"state ({op}): a later element can read it")
+      continue
+    if SMALL in union and not (
+        op in _ELEMENTWISE_OPS or op in _SHAPE_OPS or _random(op)
+        or op in _CALL_OPS or op in _BRANCH_OPS or op in _LOOP_OPS):
+      return (f"a map function chooses among values from outside its "
+              f"element ({op}: a lookup)")
     called = []  # (function name, [input refs passed as its arguments])
-    for attr_name, attr in node.attr.items():
+    for attr in node.attr.values():
       if attr.HasField("func"):
-        called.append((attr.func.name, attr_name))
+        called.append(attr.func.name)
       elif attr.HasField("list") and attr.list.func:
-        called.extend((f.name, attr_name) for f in attr.list.func)
+        called.extend(f.name for f in attr.list.func)
     if op in library and not called:
-      called.append((op, None))  # a library function called by name
-    for callee, attr_name in called:
+      called.append(op)  # a library function called by name
+    for callee in called:
       if op in _CALL_OPS or callee == op:
-        passed = inputs
+        passed = held
       elif op in _BRANCH_OPS:
-        passed = inputs[1:]
-      elif op in _LOOP_OPS:
-        passed = inputs
-      else:
-        passed = []  # unknown: no argument counts as the element
-      problem = _function_problem(
-          library, callee,
-          [i for i, r in enumerate(passed) if _source(r) in derived], seen)
+        passed = held[1:]
+      else:  # a loop carries any input into any argument; unknown ops too
+        passed = [union] * len(held)
+      problem = _function_problem(library, callee, passed, seen)
       if problem:
         return problem
+  outputs = [taints.get(_source(ref), set()) for ref in function.ret.values()]
+  if top and any(LARGE in t for t in outputs):
+    return ("a map function's result depends on data from outside its "
+            "element (a lookup table, a variable or a tensor of more than "
+            f"{_SMALL_ELEMENTS} entries, a file it does not name)")
   return None
 
 
-def _reached(nodes, names):
-  """``names`` and every node computed from them (a fixed point, in any
-  order of the nodes)."""
-  reached, changed = set(names), True
+def _batch_map_problem(library, name, arg_taints, seen):
+  """Why the map function ``name``, applied to whole batches, may mix the
+  batch's rows (None if every value computed from the batch is: see
+  :data:`_BATCH_MAP_UNARY_OPS`)."""
+  function = library.get(name)
+  if function is None:
+    return f"function {name} not in the graph"
+  key = ("rows", name, tuple(tuple(sorted(t)) for t in arg_taints))
+  if key in seen:
+    return None
+  seen.add(key)
+  nodes = {node.name: node for node in function.node_def}
+  taints = {arg.name: set(arg_taints[i]) if i < len(arg_taints) else set()
+            for i, arg in enumerate(function.signature.input_arg)}
+  taints = _propagate(list(nodes.values()), taints)
+  for node in nodes.values():
+    inputs = [r for r in node.input if not r.startswith("^")]
+    held = [taints.get(_source(r), set()) for r in inputs]
+    from_batch = [ELEMENT in t for t in held]
+    if not any(from_batch):
+      continue
+    op = node.op
+    if op in _BATCH_MAP_UNARY_OPS and sum(from_batch) == 1:
+      continue
+    if op in _BATCH_MAP_SCALAR_OPS and sum(from_batch) == 1 and all(
+        batch or _scalar_const(nodes.get(_source(r)))
+        for r, batch in zip(inputs, from_batch)):
+      continue
+    if op == "OneHot" and from_batch == [True, False, False, False] and (
+        node.attr["axis"].i == -1):
+      continue
+    if op in _CALL_OPS:
+      problem = _batch_map_problem(library, node.attr["f"].func.name, held,
+                                   seen)
+      if problem:
+        return problem
+      continue
+    return (f"a map on batches ({op}) can mix the examples of a batch "
+            "(map single examples, before .batch())")
+  return None
+
+
+def _scalar_const(node):
+  return node is not None and node.op == "Const" and _elements(node) == 1
+
+
+def _random(op):
+  return op.startswith(_RANDOM_PREFIXES) and "Shuffle" not in op
+
+
+def _propagate(nodes, taints):
+  """Each node's taints: the union of its data inputs' (shapes carry no
+  values; a file read by a name not from the element is LARGE), to a fixed
+  point in any order of the nodes."""
+  changed = True
   while changed:
     changed = False
     for node in nodes:
-      if node.name not in reached and any(
-          _source(r) in reached for r in node.input):
-        reached.add(node.name)
+      inputs = [r for r in node.input if not r.startswith("^")]
+      if not inputs or node.op == "Const":
+        continue
+      held = set().union(*[taints.get(_source(r), set()) for r in inputs])
+      if node.op in _SHAPE_OPS or _random(node.op):
+        held = held & {ELEMENT}
+      if node.op in _READER_OPS and not all(
+          ELEMENT in taints.get(_source(r), set()) for r in inputs):
+        held = held | {LARGE}
+      if not held <= taints.get(node.name, set()):
+        taints[node.name] = taints.get(node.name, set()) | held
         changed = True
-  return reached
+  return taints
 
 
 def _elements(node):
@@ -209,6 +369,7 @@ def repeats(dataset):
     return f"its pipeline could not be read ({type(e).__name__})"
   nodes = {node.name: node for node in graph.node}
   library = {f.signature.name: f for f in graph.library.function}
+  on_batches = _on_batches(nodes)
   seen = set()
   for node in graph.node:
     op = node.op
@@ -239,11 +400,37 @@ def repeats(dataset):
       captured = len(node.attr["Targuments"].list.type) if (
           "Targuments" in node.attr) else 0
       total = len(function.signature.input_arg)
-      problem = _function_problem(library, name,
-                                  list(range(total - captured)), seen)
+      # inputs: the input dataset, then the captured arguments
+      taints = ([{ELEMENT}] * (total - captured)
+                + [{_capture_taint(nodes, ref)}
+                   for ref in inputs[1:1 + captured]])
+      problem = _function_problem(library, name, taints, seen, top=True)
+      if not problem and op in _MAP_OPS and node.name in on_batches:
+        problem = _batch_map_problem(library, name, taints, seen)
       if problem:
         return problem
   return None
+
+
+def _on_batches(nodes):
+  """The dataset nodes no batching op follows on the way to the pipeline's
+  result (what they emit is what fit takes: batches)."""
+  ends = [node for node in nodes.values() if node.op == "_Retval"]
+  stack = [(_source(r), False) for node in ends for r in node.input
+           if not r.startswith("^")]
+  found, seen = set(), set()
+  while stack:
+    name, batched = stack.pop()
+    node = nodes.get(name)
+    if node is None or (name, batched) in seen:
+      continue
+    seen.add((name, batched))
+    if not batched:
+      found.add(name)
+    batched = batched or node.op in _BATCHING_OPS
+    stack.extend((_source(r), batched) for r in node.input
+                 if not r.startswith("^"))
+  return found
 
 
 def _unaligned(nodes, name):
