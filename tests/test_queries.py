@@ -227,12 +227,54 @@ def test_bad_query_uses_are_refused():
                             [variable])
 
 
-def test_global_seed_warning():
-  tf.random.set_seed(3)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    tf_dpadambc.DPAdam(query=mechanisms.IndependentNoise(1.0, 1.0))
-  assert any("global seed" in str(w.message) for w in caught)
+def _seeded_draws(eager):
+  """Two draws of tf.random.normal (seed=None) inside secret_op_seeds, each
+  after the same global seed, and two outside it."""
+  def draw(secret):
+    tf.random.set_seed(3)
+    def sample():
+      if not secret:
+        return tf.random.normal([64])
+      with queries.secret_op_seeds():
+        return tf.random.normal([64])
+    return (sample() if eager else tf.function(sample)()).numpy()
+  return (draw(True), draw(True)), (draw(False), draw(False))
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_global_seed_does_not_fix_query_noise(eager):
+  # A review: with a global seed set, a DPQuery's noise (TensorFlow's random
+  # ops, seed=None) was the same in every trace; two runs' releases differed
+  # by their un-noised sums exactly (to 3.6e-7 at σC = 5).
+  secret, plain = _seeded_draws(eager)
+  np.testing.assert_array_equal(plain[0], plain[1])  # what TF does
+  assert np.abs(secret[0] - secret[1]).min() > 0
+  if eager:  # the user's own random ops after the block go on as without it
+    tf.random.set_seed(5)
+    first = tf.random.normal([4]).numpy()
+    tf.random.set_seed(5)
+    with queries.secret_op_seeds():
+      tf.random.normal([4])
+    np.testing.assert_array_equal(tf.random.normal([4]).numpy(), first)
+
+
+@needs_tfp
+def test_query_noise_differs_between_runs_under_a_global_seed():
+  releases = []
+  for _ in range(2):
+    query = tf_privacy.GaussianSumQuery(l2_norm_clip=1.0, stddev=5.0)
+    optimizer = tf_dpadambc.DPSGD(query=query, learning_rate=1.0)
+    keras.utils.set_random_seed(7)
+    model = tf_dpadambc.make_private(keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(1, kernel_initializer="zeros", use_bias=False)]))
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+    model.fit(X[:8, :4], Y[:8, None].astype("float32"), batch_size=8,
+              epochs=1, shuffle=False, verbose=0)
+    releases.append(model.get_weights()[0])
+  # Same data, same weights, same global seed: only the noise (std 5/8 per
+  # coordinate) can tell the two runs apart.
+  assert np.abs(releases[0] - releases[1]).max() > 0.05
 
 
 def test_statement_of_a_query_run():

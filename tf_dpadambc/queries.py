@@ -34,8 +34,13 @@ mechanisms); other queries serve only the variants that do not need Φ.
 TF-Privacy itself cannot be imported on TensorFlow ≥ 2.16 without its skip
 flag: :mod:`tf_dpadambc.tf_privacy` imports it.
 """
+import contextlib
+import random
+import secrets
+
 import dp_accounting
 import tensorflow as tf
+from tensorflow.python.eager import context  # pylint: disable=g-direct-tensorflow-import
 
 from tf_dpadambc import mechanisms
 from tf_dpadambc import privatizer
@@ -336,7 +341,8 @@ class QueryRelease(privatizer.Privatizer):
     ḡ = result / B for sum queries (B = ``num_units``), the result itself
     for a ``NormalizedQuery``; Φ = (noise std / B)² where the std is known.
     """
-    result, new_state, _ = self.query.get_noised_result(sample_state, state)
+    with secret_op_seeds():
+      result, new_state, _ = self.query.get_noised_result(sample_state, state)
     result = tf.nest.flatten(result)
     std, denominator = self.noise_stddev(state), None
     if self.normalizes:
@@ -400,6 +406,45 @@ class QueryRelease(privatizer.Privatizer):
           "(DP-FTRL) needs its own analysis: use noise=CorrelatedNoise(...) "
           "with a tree or banded strategy, which tf_dpadambc accounts, or "
           "account the run yourself.", e.not_private) from None
+
+
+@contextlib.contextmanager
+def secret_op_seeds():
+  """TensorFlow's seeded random ops made in this block take seeds no one
+  knows, even where a global seed is set.
+
+  A DPQuery draws its noise with TensorFlow's own random ops (``seed=None``).
+  With a global seed (``tf.random.set_seed``, ``keras.utils.set_random_seed``)
+  their seeds follow from it: every trace of a step drew the same noise, so
+  the difference of two runs' releases was the difference of their
+  un-noised sums (a review: exact to 3.6e-7 at σC = 5). Here the graph's
+  seed (tracing) or the eager context's seed and op-seed generator are
+  swapped for secret ones from the OS for the block, and put back after (the
+  user's own random ops go on as they would have). Without a global seed the
+  ops are seeded from the OS already: nothing changes."""
+  if tf.executing_eagerly():
+    ctx = context.context()
+    if ctx._seed is None:  # pylint: disable=protected-access
+      yield
+      return
+    saved = ctx._seed, ctx._rng  # pylint: disable=protected-access
+    ctx._seed = secrets.randbits(31)  # pylint: disable=protected-access
+    ctx._rng = random.Random(secrets.randbits(64))  # pylint: disable=protected-access
+    try:
+      yield
+    finally:
+      ctx._seed, ctx._rng = saved  # pylint: disable=protected-access
+    return
+  graph = tf.compat.v1.get_default_graph()
+  if graph.seed is None:
+    yield
+    return
+  saved = graph.seed
+  graph.seed = secrets.randbits(31)
+  try:
+    yield
+  finally:
+    graph.seed = saved
 
 
 def _added(initial, clipped_sum):

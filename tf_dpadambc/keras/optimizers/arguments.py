@@ -145,13 +145,6 @@ def validated(cls, l2_norm_clip, noise_multiplier, num_microbatches,
 def warn_if_not_private(optimizer):
   """The warnings of a constructed optimizer that is not (verifiably) private."""
   name = optimizer.__class__.__name__
-  if optimizer.query is not None and tf.compat.v1.get_seed(None)[0] is not None:
-    warnings.warn(
-        "The DPQuery draws its noise from TensorFlow's global random "
-        "generator, and a global seed is set (tf.random.set_seed or "
-        "keras.utils.set_random_seed): whoever knows that seed can "
-        "reproduce and remove the noise. Do not set a global seed in "
-        "private training runs.", UserWarning, stacklevel=3)
   if optimizer.noise_multiplier == 0:
     warnings.warn(
         f"{name} with noise_multiplier=0 adds no noise: training is NOT "
