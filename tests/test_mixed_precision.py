@@ -366,3 +366,28 @@ def test_pure_low_precision_fit_applies_a_float32_noisy_mean(name):
   assert kernel.dtype == name
   noise = np.asarray(kernel.numpy(), np.float64)
   assert abs(np.std(noise) / (2.0 / 32) - 1) < 0.03
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_noise_of_low_precision_variables_has_no_exact_zeros(dtype):
+  # A review: the noise of float16 variables was drawn in float32, rounded
+  # to float16, then added to the float64 clipped sum: draws below 2⁻²⁵
+  # became exact zeros, and each such coordinate released its sum exactly
+  # (37 in 10⁶ at σC = 10⁻³). At σC = 10⁻⁴, 2²⁰ float16-rounded draws hold
+  # ≈ 250 zeros (P ≈ 2·2⁻²⁵/(σC·√(2π)) each); float32 draws hold none.
+  from tf_dpadambc.core import noise as noise_lib  # pylint: disable=g-import-not-at-top
+  from tf_dpadambc.keras.optimizers import base  # pylint: disable=g-import-not-at-top
+  variable = keras.Variable(np.zeros(1 << 20), dtype=dtype)
+  sample = base._in_variable_dtypes(  # pylint: disable=protected-access
+      noise_lib.independent_sampler(tf.constant([3, 4], tf.int64)),
+      [variable])
+  drawn = sample([tf.zeros([1 << 20], tf.float64)], 1e-4)[0]
+  assert drawn.dtype == tf.float64
+  drawn = drawn.numpy()
+  assert np.count_nonzero(drawn == 0) == 0
+  assert abs(np.std(drawn) / 1e-4 - 1) < 0.01
+  # Not rounded to the variable's dtype before the sum (only after it).
+  rounded = drawn.astype(np.float32).astype(
+      np.float16 if dtype == "float16" else np.float32)
+  if dtype == "float16":
+    assert np.count_nonzero(rounded == 0) > 100
