@@ -491,6 +491,35 @@ def test_ops_tensorflow_cannot_vectorize_are_looped(vectorizable, monkeypatch):
   _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
 
 
+class _PositiveSum(tf_keras.layers.Layer):
+  """Each example's sum of its positive features, by tf.boolean_mask: an op
+  whose result has a different size for each example."""
+
+  def call(self, x):
+    if x.shape[0] == 1:  # one example
+      return tf.reshape(tf.reduce_sum(tf.boolean_mask(x, x > 0)), [1, 1])
+    return tf.reduce_sum(tf.where(x > 0, x, 0.), axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("jit_compile", [True, False])
+def test_ops_with_per_unit_shapes_are_looped_whole(jit_compile):
+  """A review: TensorFlow's per-op loop inside tf.vectorized_map gave every
+  unit, under XLA, the last unit's number of positive features (8C between
+  neighbours, no error). Such a model is looped whole: the reference."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(4, 5)).astype("float32")
+  x[-1] = np.abs(x[-1])  # the last example: every feature positive
+  y = rng.normal(size=(4,)).astype("float32")
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([tf_keras.Input((5,)), _PositiveSum(),
+                               tf_keras.layers.Dense(3)])
+  init = [w.numpy() for w in model.trainable_variables]
+  unit_grads = _unit_gradients(model, x, y, None)
+  optimizer = _sgd_step(model, x, y, None, 0.2, 0.3, jit_compile=jit_compile)
+  assert optimizer.per_unit_plan == "loop"
+  _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
+
+
 def test_two_outputs_with_two_losses_take_the_per_unit_path():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(8, 4)).astype("float32")

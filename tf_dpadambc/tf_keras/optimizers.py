@@ -645,7 +645,7 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     ``data`` (a structure of [B, ...] tensors, None leaves kept) is split
     into units of one example, or ``num_microbatches`` microbatches.
     ``tf.vectorized_map`` over units (strict, then with TensorFlow's per-op
-    loops), else ``tf.map_fn``: in every case each unit is computed from its
+    loops where every shape is static), else ``tf.map_fn``: in every case each unit is computed from its
     own slice of ``data`` only. A model that writes variables in the
     evaluated code would share that state across units: ``ValueError``.
 
@@ -712,11 +712,25 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
 
     signature = ([tf.TensorSpec(v.shape, v.dtype.base_dtype)
                   for v in var_list or []], tf.TensorSpec([], tf.float32))
+    def looped_ops_if_static():
+      # TensorFlow's per-op while-loop fallback stacks each unit's result of
+      # an op it cannot vectorize: under XLA a result whose shape is not
+      # static took the LAST unit's shape for every unit (tf.boolean_mask:
+      # a review released 8C between neighbours, with no error). Only where
+      # every op of the unit's trace has a static shape; else looped whole.
+      start = len(recorded)
+      result = tf.vectorized_map(alone, units, fallback_to_while_loop=True,
+                                 warn=False)
+      dynamic = [op.name for op in recorded[start:] for out in op.outputs
+                 if not out.shape.is_fully_defined()]
+      if dynamic:
+        raise ValueError(f"shapes not static under the fallback: {dynamic[:3]}")
+      return result
+
     attempts = (
         ("vectorized", lambda: tf.vectorized_map(
             alone, units, fallback_to_while_loop=False)),
-        ("vectorized, some ops looped", lambda: tf.vectorized_map(
-            alone, units, fallback_to_while_loop=True, warn=False)),
+        ("vectorized, some ops looped", looped_ops_if_static),
         ("loop", lambda: tf.map_fn(alone, units,
                                    fn_output_signature=signature)))
     errors = []
