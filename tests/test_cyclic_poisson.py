@@ -169,7 +169,23 @@ def test_the_amplified_epsilon_is_refused_unless_every_batch_was_verified():
                                         groups=G, seed=5), epochs=1, verbose=0)
   with pytest.raises(ValueError, match="did not take group t mod b"):
     opt.dp_event(N)
-  # (d) A fixed sampling seed is said in the statement.
+  # (d) Two fits on samplers of another partition (partition_seed): an
+  # example can be in the groups of two adjacent steps (a review: examples
+  # 2, 16 and 21 at steps 19 and 20, the run taken for verified).
+  model, opt = _model(_banded(steps))
+  for partition_seed in (0, 1):
+    model.fit(data.cyclic_poisson_batches(
+        x, y, expected_batch_size=B, groups=G, partition_seed=partition_seed),
+              epochs=1, verbose=0)
+  with pytest.raises(ValueError, match="did not take group t mod b"):
+    opt.dp_event(N)
+  model, opt = _model(_banded(steps))  # the same partition twice: verified
+  for _ in range(2):
+    model.fit(data.cyclic_poisson_batches(
+        x, y, expected_batch_size=B, groups=G, partition_seed=0),
+              epochs=1, verbose=0)
+  assert opt.dp_event(N).count == 10
+  # (e) A fixed sampling seed is said in the statement.
   model, opt = _model(_banded(steps))
   model.fit(data.cyclic_poisson_batches(x, y, expected_batch_size=B,
                                         groups=G, seed=6), epochs=1, verbose=0)

@@ -11,12 +11,27 @@ dataset at group 0) began at a step ≡ 0 (mod b). It counts such batches in
 the optimizer's ledger, which is saved and restored with the optimizer.
 
 :func:`verified_groups` then gives b only if every batch the optimizer ever
-ran was counted, for the same sampler (b, B, N), with no broken step;
+ran was counted, for the same sampler (b, B, N and partition), with no
+broken step;
 otherwise it raises with the reason, and the amplified ε is not the run's.
 """
+import hashlib
+
 import keras
+import numpy as np
 
 from tf_dpadambc.accounting import ledger as ledger_lib
+
+
+def partition_digest(partition):
+  """A positive 62-bit digest of a cyclic Poisson partition (b arrays of
+  example indices, in order)."""
+  digest = hashlib.blake2b(digest_size=8)
+  for group in partition:
+    indices = np.asarray(group, np.int64)
+    digest.update(np.int64(indices.size).tobytes())
+    digest.update(indices.tobytes())
+  return (int.from_bytes(digest.digest(), "little") >> 2) or 1
 
 
 def _inner(optimizer):
@@ -57,12 +72,18 @@ class CyclicPoissonRecorder(keras.callbacks.Callback):
           "never by the realized batch size, and accounts the sampling); "
           f"it has expected_batch_size={optimizer.expected_batch_size}.")
 
+    partition = partition_digest(s.partition)
+
     def start(state, position):
-      mine = (s.groups, s.expected_batch_size, s.num_examples)
+      mine = (s.groups, s.expected_batch_size, s.num_examples, partition)
       if not state.cp_groups:
-        state.cp_groups, state.cp_batch_size, state.cp_examples = mine
-      elif (state.cp_groups, state.cp_batch_size, state.cp_examples) != mine:
-        state.cp_flags |= ledger_lib.CP_BROKEN  # two samplers in one run
+        (state.cp_groups, state.cp_batch_size, state.cp_examples,
+         state.cp_partition) = mine
+      elif (state.cp_groups, state.cp_batch_size, state.cp_examples,
+            state.cp_partition) != mine:
+        # Two samplers in one run (another partition_seed, b, B or N): an
+        # example can be in groups sampled at adjacent steps.
+        state.cp_flags |= ledger_lib.CP_BROKEN
       if not s.secret_seed:
         state.cp_flags |= ledger_lib.CP_FIXED_SEED
     ledger.record_cyclic_poisson(start)

@@ -93,12 +93,15 @@ STATE_SIZE = 32
 _VERSION = 1
 # Slot 23 holds the physical batches the model ran under the DP optimizers
 # it was compiled with before this one, slot 24 the most batches one
-# iteration of a dataset fit trained on holds, slot 26 the smallest N a Poisson
+# iteration of a dataset fit trained on holds, slot 25 a digest of the cyclic
+# Poisson sampler's partition (0 in ledgers saved before it was recorded),
+# slot 26 the smallest N a Poisson
 # dataset fed to fit sampled from, slots 27..31 the cyclic Poisson record
 # (the branches use at most 13 + 5·2 = 23 slots: the dynamic program keeps
 # ≤ 2 branches).
 _PRIOR_SLOT = 23
 _DATA_SLOT = 24
+_PARTITION_SLOT = 25
 _POISSON_SLOT = 26
 _CP_SLOT = 27
 CP_BROKEN = 1
@@ -179,6 +182,10 @@ class LedgerState:
   cp_examples: int = 0
   cp_batches: int = 0
   cp_flags: int = 0
+  # A digest of the sampler's partition into b groups: two samplers with the
+  # same b, B, N but other partitions (another partition_seed) can sample an
+  # example at adjacent steps (Theorem 4 needs b steps between them).
+  cp_partition: int = 0
   # The smallest N of the Poisson datasets (data.poisson_batches or
   # cyclic_poisson_batches) fit trained on: their q = B/N is at least B over
   # it, so an accounting with a larger N would understate ε (0: none seen).
@@ -209,6 +216,7 @@ class LedgerState:
     out[_POISSON_SLOT] = self.poisson_examples
     out[_PRIOR_SLOT] = self.prior_batches
     out[_DATA_SLOT] = self.data_batches
+    out[_PARTITION_SLOT] = self.cp_partition
     out[_CP_SLOT:_CP_SLOT + 5] = [self.cp_groups, self.cp_batch_size,
                                   self.cp_examples, self.cp_batches,
                                   self.cp_flags]
@@ -232,7 +240,8 @@ class LedgerState:
                cp_groups=v[_CP_SLOT], cp_batch_size=v[_CP_SLOT + 1],
                cp_examples=v[_CP_SLOT + 2], cp_batches=v[_CP_SLOT + 3],
                cp_flags=v[_CP_SLOT + 4], poisson_examples=v[_POISSON_SLOT],
-               prior_batches=v[_PRIOR_SLOT], data_batches=v[_DATA_SLOT])
+               prior_batches=v[_PRIOR_SLOT], data_batches=v[_DATA_SLOT],
+               cp_partition=v[_PARTITION_SLOT])
 
   def copy(self):
     return dataclasses.replace(self, branches=dict(self.branches))
