@@ -26,7 +26,7 @@ def test_every_rule_is_installed():
   registry = pfor._pfor_converter_registry  # pylint: disable=protected-access
   for op in _pfor_compat.UNIT_LOCAL_OPS:
     assert registry[op] is _pfor_compat.RULES[op], op
-  assert len(_pfor_compat.UNIT_LOCAL_OPS) == 14
+  assert len(_pfor_compat.UNIT_LOCAL_OPS) == 15
   assert registry["Slice"] is not _pfor_compat.TENSORFLOW_RULES["Slice"]
   assert registry["Roll"] is _pfor_compat.RULES["Roll"]
   assert registry["Roll"] is not _pfor_compat.TENSORFLOW_RULES["Roll"]
@@ -272,3 +272,28 @@ def test_the_old_roll_rule_mixed_the_units():
   np.testing.assert_array_equal(
       tf.vectorized_map(lambda t: tf.roll(t, 1, -1), x).numpy(),
       np.roll(x, 1, -1))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_pad_with_a_constant_equals_a_loop_over_units(jit):
+  # TensorFlow's PadV2 rule padded every unit with 0 (a review: a layer's
+  # constant_values=5 gave [0, 0, 1, 0] for the loop's [5, 0, 1, 5]).
+  xs = np.random.default_rng(2).normal(size=(U, 3, 2)).astype("float32")
+  paddings = [[1, 2], [0, 1]]
+
+  @tf.function(jit_compile=jit)
+  def vectorized(xs):
+    return tf.vectorized_map(
+        lambda x: tf.pad(x, paddings, constant_values=5.0), xs,
+        fallback_to_while_loop=False)
+  loop = [tf.pad(x, paddings, constant_values=5.0).numpy() for x in xs]
+  np.testing.assert_array_equal(vectorized(xs).numpy(), np.stack(loop))
+
+
+def test_a_pad_constant_per_unit_is_refused():
+  xs = np.zeros((U, 3), "float32")
+  values = np.arange(U, dtype="float32")
+  with pytest.raises(ValueError, match="constant_values that differ"):
+    tf.function(lambda xs, values: tf.vectorized_map(
+        lambda a: tf.pad(a[0], [[1, 1]], constant_values=a[1]), (xs, values),
+        fallback_to_while_loop=False))(xs, values)

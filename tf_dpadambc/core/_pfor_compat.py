@@ -44,6 +44,13 @@ along axis + 1 for a shift shared by all units; per-unit offsets and a
 error when traced, as in a loop over units; a dynamic one rolls nothing
 (its shift masked to 0) rather than fail when run.
 
+**PadV2 drops its constant.** TensorFlow's rule pads every unit with 0
+whatever ``constant_values`` says (``tf.pad(x, p, constant_values=c)``,
+``keras.ops.pad``): nothing crosses units, but per-unit evaluation then
+differs from the batch and ``fit`` refuses the step (a review). The rule
+here pads with the constant where it is the same for every unit, and
+refuses one that differs between units (the tf_keras adapter then loops).
+
 **BatchMatMulV2.** In TensorFlow 2.21 on CPU with oneDNN, a batched matmul
 whose batch axes broadcast (e.g. [U, 1, T, p] times a kernel [p, d]) returns
 wrong values, nan, or corrupts the heap. pfor's own rule produces exactly
@@ -224,6 +231,18 @@ def _sparse_segment_grad(kind):
 
 
 # ------------------------------------------------------------------- roll
+def _pad_v2(pfor_input):
+  t = pfor_input.stacked_input(0)
+  paddings = pfor_input.unstacked_input(1)
+  value, value_stacked, _ = pfor_input.input(2)
+  if value_stacked:
+    raise ValueError(
+        "tf.pad with constant_values that differ between examples cannot be "
+        "evaluated per example by tf.vectorized_map; pad with a constant.")
+  paddings = tf.concat([[[0, 0]], paddings], 0)
+  return _pfor.wrap(tf.pad(t, paddings, constant_values=value), True)
+
+
 def _roll_axes(t, axis):
   """Roll's axes (scalar or vector) as a vector in the per-unit range
   [0, r) of the unit-stacked ``t`` (r = its rank − 1), and where each one
@@ -304,6 +323,7 @@ RULES = {
     "SparseSegmentMeanGrad": _sparse_segment_grad("mean"),
     "SparseSegmentSqrtNGrad": _sparse_segment_grad("sqrt_n"),
     "Roll": _roll,
+    "PadV2": _pad_v2,
 }
 UNIT_LOCAL_OPS = tuple(RULES)
 TENSORFLOW_RULES = {}  # what install() replaced (tests show they leaked)
