@@ -241,3 +241,46 @@ def test_user_code_in_a_keras_callback_or_an_instance_hook_is_watched(make):
   with pytest.raises(ValueError, match="wrote the variable 'context/context"):
     model.fit(x, y, batch_size=B, verbose=0, callbacks=[callback])
   assert float(model.get_layer("context").context.numpy()) == 0.0
+
+
+class _IntoOptimizer(keras.metrics.Metric):
+  """A metric adding 100·mean(y) to the optimizer's momentum, or to its
+  pending accumulation's un-noised sum."""
+
+  def __init__(self, model, where):
+    super().__init__(name="into_optimizer")
+    self.model, self.where = model, where
+    self.total = self.add_variable(shape=(), initializer="zeros", name="t")
+
+  def update_state(self, y_true, y_pred, sample_weight=None):
+    stat = 100.0 * tf.reduce_mean(tf.cast(y_true, tf.float32))
+    optimizer = self.model.optimizer
+    targets = ([v for v in optimizer.variables if "momentum" in v.path]
+               if self.where == "momentum"
+               else optimizer._private.accumulated_sums)  # pylint: disable=protected-access
+    for v in targets:
+      v.assign_add(tf.cast(stat, v.dtype) * tf.ones_like(v))
+    self.total.assign(stat)
+
+  def result(self):
+    return self.total
+
+
+@pytest.mark.parametrize("where", ["momentum", "accumulation"])
+def test_a_metric_writing_into_the_optimizer_is_refused(where):
+  """A review: a metric wrote the batch's label mean into DPSGD's momentum
+  (982x the honest bound) or into a pending accumulation's un-noised clipped
+  sum (2,455C); the logs stage watched only the model's variables."""
+  keras.utils.set_random_seed(0)
+  model = dp.make_private(keras.Sequential([keras.Input((D,)),
+                                            keras.layers.Dense(1)]))
+  extra = ({"momentum": 0.5} if where == "momentum"
+           else {"gradient_accumulation_steps": 2})
+  model.compile(optimizer=dp.DPSGD(C, 1.0, learning_rate=0.1, **extra),
+                loss="mse", metrics=[_IntoOptimizer(model, where)])
+  before = [v.numpy().copy() for v in model.trainable_variables]
+  with pytest.raises(ValueError, match="A metric wrote the variable"):
+    model.fit(np.ones((2 * B, D), "float32"), np.ones((2 * B, 1), "float32"),
+              batch_size=B, verbose=0)
+  for v, w in zip(model.trainable_variables, before):
+    np.testing.assert_array_equal(v.numpy(), w)

@@ -58,6 +58,15 @@ class PrivateState:
     self.query_variables, self.query_structure = [], None
     self.release_tap = []
 
+  def all_variables(self):
+    """Every unsaved variable (for the write guards: no metric or callback
+    may write them)."""
+    found = [self.seed_variable, *self.accumulated_sums,
+             *self.accumulated_squares, *self.query_variables,
+             *self.release_tap]
+    found += tf.nest.flatten(self.noise_state)
+    return [v for v in found if isinstance(v, (tf.Variable, keras.Variable))]
+
   # --------------------------------------------------------------- build
   def variable(self, shape, name, dtype="int64", initializer="zeros",
                like=None):
