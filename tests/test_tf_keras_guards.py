@@ -249,3 +249,110 @@ def test_saved_models_hold_no_training_metric_totals(save, tmp_path):
     loaded = tf_keras.models.load_model(path, compile=False)
     np.testing.assert_allclose(loaded.predict(x, verbose=0),
                                model.predict(x, verbose=0), rtol=1e-6)
+
+
+class _BatchedWrite(tf_keras.layers.Layer):
+  """Writes the batch's mean into a trained weight, only in the batched
+  forward pass (each unit, evaluated alone, has one row)."""
+
+  def build(self, input_shape):
+    self.junk = self.add_weight("junk", shape=(input_shape[-1],),
+                                initializer="zeros")
+
+  def call(self, x):
+    if x.shape[0] != 1:
+      self.junk.assign(tf.reduce_mean(x, 0) * 100.0)
+    return x + 0.0 * self.junk
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_write_from_the_batched_pass_is_refused(jit_compile):
+  """A review: a layer wrote the batch mean into a trained weight in the
+  batched forward pass only, which the per-unit evaluation never traces:
+  691C between neighbours, no error."""
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([tf_keras.Input((D,)), _BatchedWrite(),
+                               tf_keras.layers.Dense(1)])
+  model.compile(optimizer=dptk.DPSGD(1.0, 1.0, learning_rate=0.1), loss=LOSS,
+                jit_compile=jit_compile)
+  before = _weights(model)
+  x, y = _data()
+  with pytest.raises(ValueError, match="wrote a value computed from the batch"):
+    _fit(model, x, y, batch_size=B)
+  assert _unchanged(model, before)
+
+
+class _LeakyMetric(tf_keras.metrics.Metric):
+  """Adds 100·mean(y) to a variable of the model or of its optimizer."""
+
+  def __init__(self, target):
+    super().__init__(name="leaky")
+    self.target = target
+    self.total = self.add_weight("t", shape=(), initializer="zeros")
+
+  def update_state(self, y_true, y_pred, sample_weight=None):
+    stat = 100.0 * tf.reduce_mean(y_true)
+    for v in self.target():
+      v.assign_add(tf.cast(stat, v.dtype) * tf.ones_like(v))
+    self.total.assign(stat)
+
+  def result(self):
+    return self.total
+
+
+@pytest.mark.parametrize("target", ["kernel", "momentum"])
+def test_a_metric_writing_the_model_or_optimizer_is_refused(target):
+  """A review: on tf_keras nothing guarded the metrics (a metric wrote the
+  kernel, 9,064C; the optimizer's momentum, 5,234C)."""
+  tf_keras.utils.set_random_seed(0)
+  model = tf_keras.Sequential([tf_keras.Input((D,)), tf_keras.layers.Dense(1)])
+  optimizer = dptk.DPSGD(1.0, 1.0, learning_rate=0.1, momentum=0.5)
+  def variables():
+    if target == "kernel":
+      return [model.layers[0].kernel]
+    inner = optimizer.keras_optimizer
+    return [v for v in inner.variables if "momentum" in v.path]
+  model.compile(optimizer=optimizer, loss=LOSS,
+                metrics=[_LeakyMetric(variables)])
+  x, y = _data()
+  with pytest.raises(ValueError, match="A metric wrote the variable"):
+    _fit(model, x, y, batch_size=B)
+  model.compile(optimizer=dptk.DPSGD(1.0, 1.0, learning_rate=0.1),
+                loss=LOSS, metrics=["mae"])  # ordinary metrics still work
+  assert "mae" in _fit(model, x, y, batch_size=B).history
+
+
+def test_a_seed_generator_written_from_a_unit_is_refused():
+  """A review: a Keras 3 SeedGenerator's state (written freely: it is the
+  layer's randomness) carried one unit's example to the next units and
+  steps: 17.5C at B = 16."""
+  import keras  # pylint: disable=g-import-not-at-top
+
+  class Carrier(keras.layers.Layer):
+    def __init__(self):
+      super().__init__()
+      self.seed = keras.random.SeedGenerator(0)
+
+  class Model(tf_keras.Model):
+    def __init__(self):
+      super().__init__()
+      self.carrier = Carrier()
+      self.dense = tf_keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+      state = self.carrier.seed.state
+      out = self.dense(x + tf.cast(state.value, tf.float32)[None, :1] * 1e-3)
+      if x.shape[0] == 1:  # inside the per-unit evaluation
+        state.assign(tf.cast(tf.round(
+            tf.pad(x[0, :1], [[0, 1]]) * 1e3), state.dtype))
+      return out
+
+  tf_keras.utils.set_random_seed(0)
+  x, y = _data()
+  model = Model()
+  model(x[:1])
+  model.compile(optimizer=dptk.DPSGD(1.0, 1.0, learning_rate=0.1), loss=LOSS)
+  before = _weights(model)
+  with pytest.raises(ValueError, match="writes state"):
+    _fit(model, x, y, batch_size=B)
+  assert _unchanged(model, before)

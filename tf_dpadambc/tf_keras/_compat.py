@@ -230,15 +230,31 @@ def _seed_state_handles(model):
   return [h for h in handles if h is not None]
 
 
-def state_writes(ops, model):
+def state_writes(ops, model, data=()):
   """Names of the ops among ``ops`` (and the functions they call) that write
   state (``graph.state_effects``: variables, tables, generators, ...), other
-  than the random state of a Keras 3 SeedGenerator."""
+  than the random state of a Keras 3 SeedGenerator advanced from itself: a
+  value computed from ``data`` (the units' inputs) written there is state
+  too (a review: a unit's example written into the state, read back by the
+  next units, 17.5C at B = 16)."""
   seeds = _seed_state_handles(model) if model is not None else []
+  data = {(id(t.graph), t.name) for t in data if tf.is_symbolic_tensor(t)}
+
+  def from_data(op):
+    stack, seen = list(op.inputs[1:]), set()
+    while stack:
+      tensor = stack.pop()
+      if (id(tensor.graph), tensor.name) in data:
+        return True
+      if id(tensor.op) not in seen:
+        seen.add(id(tensor.op))
+        stack.extend(tensor.op.inputs)
+    return False
 
   def seed_state(op):
     handle = _resolve_handle(op.inputs[0]) if op.inputs else None
-    return handle is not None and any(handle is s for s in seeds)
+    return (handle is not None and any(handle is s for s in seeds)
+            and not from_data(op))
   return graph.state_effects(ops, allowed=seed_state)
 
 

@@ -50,6 +50,7 @@ constructor signature.
 """
 import logging
 import sys
+import weakref
 
 import keras
 import tensorflow as tf
@@ -142,6 +143,10 @@ _JACOBIAN_ERROR = (
     "example alone, build the optimizer with assume_examples_independent="
     "True. That removes the differential-privacy guarantee for any model "
     "that does mix examples.")
+
+# The ops of this adapter's own releases, per traced graph: their writes
+# (the noised update) are not the batch's.
+_OWN_UPDATES = weakref.WeakKeyDictionary()
 
 _STATE_ERROR = (
     "tf_dpadambc: the model writes state (variables, hash tables, random "
@@ -477,6 +482,20 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     """Clips and sums this replica's units; one private release per step:
     here (one replica), or of all replicas' sums (``keras.replicas.release``:
     global Σ clip_C(g_u), noise σC drawn once, divided by the global count)."""
+    self._check_batched_writes()
+    trace = None if tf.executing_eagerly() else (
+        tf.compat.v1.get_default_graph())
+    start = 0 if trace is None else len(trace.get_operations())
+    try:
+      self._release_per_unit(per_unit, num_units, num_examples, var_list,
+                             unit_mask, replicated)
+    finally:
+      if trace is not None:  # this release's writes (noised): not the data's
+        _OWN_UPDATES.setdefault(trace, set()).update(
+            op.name for op in trace.get_operations()[start:])
+
+  def _release_per_unit(self, per_unit, num_units, num_examples, var_list,
+                        unit_mask, replicated):
     if not replicated:
       # Every caller's rows are per unit: evaluated alone (_map_units), or
       # the jacobian of an optimizer built with assume_examples_independent.
@@ -679,7 +698,10 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     # from eager might be data (the batch of an eager loop).
     held = _held_tensors(model)
 
+    unit_inputs = []  # every trace's unit tensors (for state_writes)
+
     def alone(unit_leaves):
+      unit_inputs.extend(unit_leaves)
       unit = [None] * len(leaves)
       for i, t in zip(present, unit_leaves):
         unit[i] = t
@@ -742,7 +764,7 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
         # No vectorization rule for an op (or a pfor bug): the next way.
         errors.append(f"{how}: {type(error).__name__}: {error}")
         continue
-      writes = _compat.state_writes(recorded, model)
+      writes = _compat.state_writes(recorded, model, unit_inputs)
       if how != "vectorized":  # units one after another: no Python state
         writes += graph.python_calls(recorded)
       if writes:  # (first: a model that writes state says so)
@@ -785,6 +807,12 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     model = _compat.calling_model(self, var_list)
     if model is not None:
       guards.on_step(model, self)  # fit's callbacks, data and accounting
+      # What the trace wrote before this point (the batched forward pass and
+      # the loss) is checked before the release, after the per-unit checks
+      # (whose errors say more).
+      object.__setattr__(self, "_batched_pass", (
+          model, None if tf.executing_eagerly() else
+          len(tf.compat.v1.get_default_graph().get_operations())))
       for layer in _compat.all_layers(model):
         policy = getattr(layer, "dtype_policy", None)
         if policy is not None and getattr(policy, "compute_dtype", None) != (
@@ -802,6 +830,33 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     if op is not None:
       raise ValueError(_CROSS_EXAMPLE_ERROR.format(
           layer=op, cls="a batch normalization op in training mode"))
+
+  def _check_batched_writes(self):
+    """Refuses a step whose trace, before the per-unit evaluation, wrote a
+    value computed from the batch into the model's or the optimizer's
+    variables: a layer writing only in the batched forward pass (a review:
+    ``junk.assign(batch mean · B)`` when ``x.shape[0] != 1``, 691C, never
+    seen by the per-unit trace). Writes made by this adapter's own earlier
+    releases in the same trace are left out (they are noised)."""
+    model, count = self.__dict__.pop("_batched_pass", (None, None))
+    if model is None or count is None or tf.executing_eagerly():
+      return
+    trace = tf.compat.v1.get_default_graph()
+    own = _OWN_UPDATES.get(trace, set())
+    before = [op for op in graph.ops_before(trace, count)
+              if not (op.graph is trace and op.name in own)]
+    variables = list(model.variables) + list(self._inner.variables)
+    handles = [v.handle for v in variables if hasattr(v, "handle")]
+    writes = graph.written_from_data(
+        [], before, [], _held_tensors(model), handles=handles)
+    if writes:
+      raise ValueError(
+          "tf_dpadambc: the training step wrote a value computed from the "
+          "batch into the model's (or the optimizer's) variables before the "
+          f"private step ({', '.join(writes[:3])}). The whole batch's data "
+          "would reach every later step, and the saved weights, without "
+          "noise. Keep a layer's state out of the batch: compute it inside "
+          "the private step, or from public values.")
 
   # ---------------------------------------------------------- config
   def get_config(self):
