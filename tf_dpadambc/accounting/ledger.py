@@ -705,6 +705,18 @@ def _arrays(x):
       or type(leaf).__module__.startswith("pandas") for leaf in leaves)
 
 
+MIXING_ERROR = (
+    "tf_dpadambc: fit's tf.data pipeline can put one example's data into "
+    "other examples' elements: {why}. Then one example can move several "
+    "units of a batch (a review: MixUp after batch() and weights normalized "
+    "over the batch, 6.3C for a bound of 2C), which neither the clipping nor "
+    "any accounting of batches bounds, so no ε would hold. Map single "
+    "examples before .batch() (element-wise: augmentation, normalization), "
+    "put batch-level preprocessing inside the model (make_private evaluates "
+    "each example alone), and look data up before building the dataset "
+    "(tokenize with your vocabulary into arrays).")
+
+
 def fit_data(x, steps_per_epoch=None, batch_size=None, validation_split=0.,
              tf_keras=False):
   """Whether ``fit``'s epochs on ``x`` are passes over the data: the one
@@ -712,7 +724,9 @@ def fit_data(x, steps_per_epoch=None, batch_size=None, validation_split=0.,
 
   Passes: arrays or tensors (the frameworks' own array pipelines: each
   epoch one permutation), and finite ``tf.data`` datasets whose pipeline
-  emits each element at most once (``pipelines.repeats``). Neither
+  emits each element at most once (``pipelines.classify``). A pipeline
+  whose elements can carry other examples' data (a lookup, a map mixing a
+  batch's rows) is refused: ``ValueError``. Neither
   framework runs an epoch across two iterations of such a dataset (with
   ``steps_per_epoch`` they cut one iteration into epochs, each counted as a
   pass). Not passes (every batch accounted as if it could hold any example):
@@ -726,7 +740,9 @@ def fit_data(x, steps_per_epoch=None, batch_size=None, validation_split=0.,
     cardinality = int(x.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
       return FitData(False, NOT_PASSES, 0, "the dataset is infinite")
-    problem = pipelines.repeats(x)
+    kind, problem = pipelines.classify(x)
+    if kind == pipelines.MIXES:
+      raise ValueError(MIXING_ERROR.format(why=problem))
     if problem:
       return FitData(False, MAY_REPEAT, 0, problem)
     return FitData(True, 0, max(cardinality, 0), None)

@@ -139,6 +139,7 @@ _CALL_OPS = frozenset(["PartitionedCall", "StatefulPartitionedCall"])
 _BRANCH_OPS = frozenset(["If", "StatelessIf", "Case", "StatelessCase"])
 _LOOP_OPS = frozenset(["While", "StatelessWhile"])
 ELEMENT, SMALL, LARGE = "element", "small", "large"
+_OPAQUE_PROBLEM = "a map function runs Python"
 
 
 def _source(ref):
@@ -215,7 +216,7 @@ def _function_problem(library, name, arg_taints, seen, top=False):
     held = [taints.get(_source(r), set()) for r in inputs]
     union = set().union(*held) if held else set()
     if op in _OPAQUE_OPS:
-      return f"a map function runs Python ({op})"
+      return f"{_OPAQUE_PROBLEM} ({op})"
     if "Dataset" in op:
       return f"a map function builds a dataset ({op})"
     if _writes_state(op):
@@ -350,12 +351,27 @@ def _const_value(nodes, ref):
     return None
 
 
+REPEATS, MIXES = "repeats", "mixes"
+
+
 def repeats(dataset):
   """Why one iteration of the tf.data ``dataset`` may emit an element more
-  than once (a short phrase), or None if every op of its pipeline is one
-  that emits each element of its input at most once (:data:`PASS_OPS`, a
-  repeat only with count 1, map and filter functions element-wise: see
-  :func:`_function_problem`)."""
+  than once, or mix examples (a short phrase), or None: :func:`classify`'s
+  reason, whatever its kind."""
+  return classify(dataset)[1]
+
+
+def classify(dataset):
+  """``(kind, reason)`` for the tf.data ``dataset``: ``(None, None)`` if
+  every op of its pipeline emits each element of its input at most once
+  (:data:`PASS_OPS`, a repeat only with count 1) and every map and filter
+  function acts on its element alone (:func:`_function_problem`, and
+  :func:`_batch_map_problem` for maps on batches); ``(MIXES, why)`` where an
+  element can carry data of other examples (a lookup, a map that mixes a
+  batch's rows, zipped parts of different examples): one example can then
+  move several units, which no accounting of batches bounds; else
+  ``(REPEATS, why)``: an element may be emitted more than once, or the
+  pipeline cannot be read."""
   from tensorflow.core.framework import graph_pb2  # pylint: disable=g-import-not-at-top
   try:
     with tf.init_scope():
@@ -366,7 +382,7 @@ def repeats(dataset):
     graph = graph_pb2.GraphDef()
     graph.ParseFromString(serialized)
   except Exception as e:  # pylint: disable=broad-except
-    return f"its pipeline could not be read ({type(e).__name__})"
+    return REPEATS, f"its pipeline could not be read ({type(e).__name__})"
   nodes = {node.name: node for node in graph.node}
   library = {f.signature.name: f for f in graph.library.function}
   on_batches = _on_batches(nodes)
@@ -376,19 +392,19 @@ def repeats(dataset):
     if op in _PARAMETER_OPS:
       continue
     if op not in PASS_OPS:
-      return f"its pipeline has {op}"
+      return REPEATS, f"its pipeline has {op}"
     inputs = [r for r in node.input if not r.startswith("^")]
     if op in ("RepeatDataset", "ShuffleAndRepeatDataset"):
       # (input, count); (input, buffer_size, seed, seed2, count, ...)
       at = 1 if op == "RepeatDataset" else 4
       count = _const_value(nodes, inputs[at]) if len(inputs) > at else None
       if count is None or int(count) != 1:
-        return f"its pipeline repeats ({op}, count {count})"
+        return REPEATS, f"its pipeline repeats ({op}, count {count})"
     if op == "ZipDataset":
       for ref in inputs:
         problem = _unaligned(nodes, _source(ref))
         if problem:
-          return problem
+          return MIXES, problem
     for attr_name in _FUNCTION_ATTRS:
       if attr_name not in node.attr or not node.attr[attr_name].HasField(
           "func"):
@@ -396,7 +412,7 @@ def repeats(dataset):
       name = node.attr[attr_name].func.name
       function = library.get(name)
       if function is None:
-        return f"its {op} function is not in the graph"
+        return REPEATS, f"its {op} function is not in the graph"
       captured = len(node.attr["Targuments"].list.type) if (
           "Targuments" in node.attr) else 0
       total = len(function.signature.input_arg)
@@ -408,8 +424,11 @@ def repeats(dataset):
       if not problem and op in _MAP_OPS and node.name in on_batches:
         problem = _batch_map_problem(library, name, taints, seen)
       if problem:
-        return problem
-  return None
+        # Python run per element is opaque, as a generator is: it may
+        # repeat; anything else found is data crossing between examples.
+        return (REPEATS if problem.startswith(_OPAQUE_PROBLEM) else MIXES,
+                problem)
+  return None, None
 
 
 def _on_batches(nodes):
