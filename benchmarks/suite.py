@@ -440,9 +440,11 @@ def _build_tfp(name, config, batch_size):
         initial_l2_norm_clip=CLIP, noise_multiplier=NOISE,
         target_unclipped_quantile=0.5, learning_rate=0.2,
         clipped_count_stddev=batch_size / 20, expected_num_records=batch_size)
+    # Without XLA: a TF-Privacy query's noise (TensorFlow's stateful random
+    # ops) is refused under XLA, which draws the same numbers every run.
     model.compile(optimizer=dp.DPAdam(query=query, learning_rate=LR),
                   loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), jit_compile=True)
+                      from_logits=True), jit_compile=False)
     return model, keras, info
   if config in ("TFP DPKerasAdamOptimizer",
                 "DPKerasAdamOptimizer (ours, tf_keras)"):

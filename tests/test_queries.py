@@ -32,7 +32,13 @@ Y = (X[:, 0] > 0).astype("int32")
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _model(optimizer, jit_compile=True, clipping="auto"):
+def _model(optimizer, jit_compile=None, clipping="auto"):
+  """jit_compile: by default XLA for this library's noise, not for a
+  TF-Privacy query's (refused there: XLA fixes TensorFlow's random ops)."""
+  if jit_compile is None:
+    query = getattr(getattr(optimizer, "query", None), "query", None)
+    jit_compile = query is None or isinstance(query,
+                                              mechanisms.NoiseMechanism)
   keras.utils.set_random_seed(7)
   model = tf_dpadambc.make_private(keras.Sequential([
       keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
@@ -134,7 +140,7 @@ def test_adaptive_clip_advances_inside_compiled_fit():
   # below the clip (C₀ = 1e4), each step multiplies C by exp(-η·(1 − 0)).
   query = _adaptive(0.0, clip=1e4, sigma=0.0, quantile=0.0, rate=0.1)
   optimizer = tf_dpadambc.DPAdam(query=query, learning_rate=1e-3)
-  model = _model(optimizer, jit_compile=True)
+  model = _model(optimizer)  # a tf.function step (XLA: refused, see below)
   history = model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
   clip = float(optimizer.query_metrics()["clip"])
   np.testing.assert_allclose(clip, 1e4 * math.exp(-0.4), rtol=1e-5)
@@ -368,3 +374,28 @@ def test_a_dpquery_refuses_low_precision_variables():
   with pytest.raises(ValueError, match="float16/bfloat16"):
     model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"),
               batch_size=8, epochs=1, verbose=0)
+
+
+def test_queries_drawing_tensorflow_random_ops_are_refused_under_xla():
+  # A review: XLA compiles TensorFlow's stateful random ops to the same
+  # numbers in every process, seeded or not: a DPQuery's noise (TF-Privacy's
+  # draw with them) was the same in every run under jit_compile=True.
+  class OwnRandom:  # any DPQuery but this library's mechanisms
+    pass
+  with pytest.raises(ValueError, match="same numbers in every process"):
+    queries.check_not_under_xla(OwnRandom(), True)
+  queries.check_not_under_xla(OwnRandom(), False)
+  queries.check_not_under_xla(mechanisms.IndependentNoise(1.0, 1.0), True)
+
+
+@needs_tfp
+def test_a_tf_privacy_query_under_xla_is_refused_before_a_step():
+  optimizer = tf_dpadambc.DPSGD(
+      query=tf_privacy.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.0),
+      learning_rate=1.0)
+  model = _model(optimizer, jit_compile=True)
+  before = [w.copy() for w in model.get_weights()]
+  with pytest.raises(ValueError, match="same numbers in every process"):
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+  for w, b in zip(model.get_weights(), before):
+    np.testing.assert_array_equal(w, b)

@@ -491,18 +491,31 @@ def test_ops_tensorflow_cannot_vectorize_are_looped(vectorizable, monkeypatch):
   _assert_sgd_formula(model, init, unit_grads, 0.2, 0.3)
 
 
+@tf.function
+def _masked_sum(x):
+  return tf.reduce_sum(tf.boolean_mask(x, x > 0))
+
+
 class _PositiveSum(tf_keras.layers.Layer):
   """Each example's sum of its positive features, by tf.boolean_mask: an op
-  whose result has a different size for each example."""
+  whose result has a different size for each example (in a nested function
+  too, whose ops the unit's trace does not hold)."""
+
+  def __init__(self, nested=False):
+    super().__init__()
+    self.nested = nested
 
   def call(self, x):
     if x.shape[0] == 1:  # one example
-      return tf.reshape(tf.reduce_sum(tf.boolean_mask(x, x > 0)), [1, 1])
+      total = (_masked_sum(x) if self.nested
+               else tf.reduce_sum(tf.boolean_mask(x, x > 0)))
+      return tf.reshape(total, [1, 1])
     return tf.reduce_sum(tf.where(x > 0, x, 0.), axis=1, keepdims=True)
 
 
+@pytest.mark.parametrize("nested", [False, True])
 @pytest.mark.parametrize("jit_compile", [True, False])
-def test_ops_with_per_unit_shapes_are_looped_whole(jit_compile):
+def test_ops_with_per_unit_shapes_are_looped_whole(jit_compile, nested):
   """A review: TensorFlow's per-op loop inside tf.vectorized_map gave every
   unit, under XLA, the last unit's number of positive features (8C between
   neighbours, no error). Such a model is looped whole: the reference."""
@@ -511,7 +524,7 @@ def test_ops_with_per_unit_shapes_are_looped_whole(jit_compile):
   x[-1] = np.abs(x[-1])  # the last example: every feature positive
   y = rng.normal(size=(4,)).astype("float32")
   tf_keras.utils.set_random_seed(0)
-  model = tf_keras.Sequential([tf_keras.Input((5,)), _PositiveSum(),
+  model = tf_keras.Sequential([tf_keras.Input((5,)), _PositiveSum(nested),
                                tf_keras.layers.Dense(3)])
   init = [w.numpy() for w in model.trainable_variables]
   unit_grads = _unit_gradients(model, x, y, None)

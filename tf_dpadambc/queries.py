@@ -408,6 +408,26 @@ class QueryRelease(privatizer.Privatizer):
           "account the run yourself.", e.not_private) from None
 
 
+XLA_ERROR = (
+    "tf_dpadambc: {query} draws its noise with TensorFlow's stateful random "
+    "ops, which XLA compiles to the same numbers in every process, seeded or "
+    "not (a review: two runs' releases differed by their un-noised sums to "
+    "2.2e-8, for noise of std 0.31): no noise at all for whoever runs the "
+    "same code. Compile without XLA (jit_compile=False), or use this "
+    "library's own mechanisms (tf_dpadambc.IndependentNoise, CorrelatedNoise, "
+    "or no query=: the optimizers' noise is keyed by a secret seed).")
+
+
+def check_not_under_xla(query, jit_compile):
+  """Refuses a DPQuery whose noise is TensorFlow's own random ops in a step
+  compiled by XLA (``jit_compile`` True): this library's mechanisms draw
+  stateless noise from a secret seed, and are fine."""
+  query = getattr(query, "query", query)  # a QueryRelease's DPQuery
+  if query is not None and jit_compile is True and not isinstance(
+      query, mechanisms.NoiseMechanism):
+    raise ValueError(XLA_ERROR.format(query=type(query).__name__))
+
+
 @contextlib.contextmanager
 def secret_op_seeds():
   """TensorFlow's seeded random ops made in this block take seeds no one

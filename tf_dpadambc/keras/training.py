@@ -26,6 +26,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tf_dpadambc import queries
 from tf_dpadambc.accounting import ledger
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import diagnostics as core_diagnostics
@@ -493,6 +494,8 @@ def _dp_train_step(self, data):
   """
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   optimizer, replicated = _plan_stage(self, sample_weight)
+  queries.check_not_under_xla(getattr(optimizer, "query", None),
+                              getattr(self, "jit_compile", False))
   optimizer.before_step(self)  # public work only (e.g. AdaDPS' refresh)
   validation.check_model(self)
   validation.check_forward(self, x)  # before any evaluation of the model

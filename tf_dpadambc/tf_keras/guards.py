@@ -28,6 +28,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable_base  # pylint: disable=g-direct-tensorflow-import
 import tf_keras
 
+from tf_dpadambc import queries
 from tf_dpadambc.accounting import ledger
 from tf_dpadambc.keras import training
 from tf_dpadambc.keras import validation
@@ -63,6 +64,9 @@ def on_step(model, optimizer):
         validation.watch_callbacks(model, running.get("callbacks"))
       # fit checked its dataset; train_on_batch or a custom loop declares.
       ledger.require_poisson_dataset(optimizer, in_fit=running is not None)
+      inner = getattr(optimizer, "keras_optimizer", optimizer)
+      queries.check_not_under_xla(getattr(inner, "query", None),
+                                  getattr(model, "_jit_compile", False))
     except ValueError:
       # Refused inside the first trace, which may have created variables:
       # the next fit makes a new train function instead of retracing it.

@@ -743,8 +743,13 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
       start = len(recorded)
       result = tf.vectorized_map(alone, units, fallback_to_while_loop=True,
                                  warn=False)
-      dynamic = [op.name for op in recorded[start:] for out in op.outputs
-                 if not out.shape.is_fully_defined()]
+      # (and no function call, branch or loop, whose ops this trace does
+      # not hold: a boolean_mask in a nested function passed unseen, 4.4C)
+      dynamic = [op.name for op in recorded[start:]
+                 if any(not out.shape.is_fully_defined() for out in op.outputs)
+                 or any(attr.HasField("func") or (
+                     attr.HasField("list") and attr.list.func)
+                        for attr in op.node_def.attr.values())]
       if dynamic:
         raise ValueError(f"shapes not static under the fallback: {dynamic[:3]}")
       return result
