@@ -103,6 +103,13 @@ def _normalized():
   return _slices().map(lambda a, b: (layer(a), b)).batch(B)
 
 
+def _written(a, b):
+  """Writes its element to a file (a later element could read it)."""
+  with tf.control_dependencies([tf.io.write_file(
+      "/tmp/tf_dpadambc_lag", tf.io.serialize_tensor(a))]):
+    return tf.identity(a), b
+
+
 def _large(n=2048):
   return tf.constant(np.random.default_rng(1).normal(size=(n, 4)), tf.float32)
 
@@ -208,6 +215,37 @@ def _large(n=2048):
     ("random augmentation before batch", lambda: _slices().map(
         lambda a, b: (tf.image.random_brightness(tf.image.random_flip_left_right(
             tf.reshape(a, [2, 2, 1])), 0.1), b)).batch(B), True, 0),
+    # Round 14: a table in a scalar string constant, a large table's value
+    # read through shapes, a file named by arithmetic on the index, a lag
+    # through the file system; one element deciding the others' use.
+    ("table in a string constant", lambda: (lambda table: tf.data.Dataset
+     .range(N).map(lambda i: tf.gather(tf.io.parse_tensor(
+         tf.constant(table), tf.float32), i // 2)).batch(B))(
+             tf.io.serialize_tensor(_data()[0]).numpy()), False, REFUSED),
+    ("large table read through shapes", lambda: tf.data.Dataset.range(N).map(
+        lambda i: tf.size(tf.range(tf.gather(np.arange(2048), i // 2)))
+    ).batch(B), False, REFUSED),
+    ("file named by arithmetic", lambda: tf.data.Dataset.range(N).map(
+        lambda i: tf.io.read_file(tf.strings.join(
+            ["/tmp/", tf.strings.as_string(i // 2)]))).batch(B), False,
+     REFUSED),
+    ("files named by the elements", lambda: tf.data.Dataset.from_tensor_slices(
+        ["a", "b"]).map(lambda f: tf.io.read_file(
+            tf.strings.join(["/tmp/", f]))).batch(B), True, 0),
+    ("a lag through a written file", lambda: _slices().map(_written).batch(B),
+     False, REFUSED),
+    ("take_while", lambda: _slices().take_while(
+        lambda a, b: a[0] < 3.0).batch(B), False, REFUSED),
+    ("filter on batches", lambda: _slices().batch(B).filter(
+        lambda a, b: tf.reduce_all(tf.abs(a) < 3.0)), False, REFUSED),
+    ("ignore_errors on batches", lambda: _slices().batch(B).map(
+        lambda a, b: (tf.debugging.check_numerics(a, "x"), b)
+    ).ignore_errors(), False, REFUSED),
+    ("filter on examples", lambda: _slices().filter(
+        lambda a, b: a[0] < 3.0).batch(B), True, 0),
+    ("normalize after batch", lambda: _slices().batch(B).map(
+        lambda a, b: ((a - _data()[0].mean(0)) / _data()[0].std(0), b)),
+     True, 0),
     ("arrays", lambda: _data(), True, 0),
     ("PyDataset", _Batches, False, ledger_lib.MAY_REPEAT),
     ("generator", lambda: (b for b in [_data()]), False,

@@ -72,6 +72,7 @@ _SMALL_BYTES = 8192
 # parameters (an axis, a shape, slice bounds, a one-hot depth); larger ones
 # are data, SMALL or LARGE like captures.
 _PARAMETER_ELEMENTS = 16
+_PARAMETER_BYTES = 160
 # Ops computing each output entry from the same entry of their inputs (with
 # broadcasting), or moving whole values without choosing among them by
 # another value.
@@ -122,10 +123,14 @@ _BATCHING_OPS = frozenset([
 # batching op follows them.
 _MAP_OPS = frozenset(["MapDataset", "ParallelMapDataset",
                       "ParallelMapDatasetV2"])
+# Dataset ops that drop elements by their values: on batches, a batch.
+_DROP_OPS = frozenset(["FilterDataset", "ParallelFilterDataset",
+                       "IgnoreErrorsDataset"])
 # Ops whose output carries only shapes, never values.
 _SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
 # Ops that read data that is not their inputs' (a file by name).
-_READER_OPS = frozenset(["ReadFile", "MatchingFiles", "ImmutableConst"])
+_READER_OPS = frozenset(["ReadFile", "MatchingFiles", "ImmutableConst",
+                         "RestoreV2", "Restore", "RestoreSlice"])
 # Arbitrary Python: can return anything.
 _OPAQUE_OPS = frozenset(["PyFunc", "PyFuncStateless", "EagerPyFunc"])
 # Non-dataset nodes of a pipeline's graph: its parameters (the counts, sizes
@@ -150,6 +155,13 @@ def _source(ref):
   return ref.split(":")[0]
 
 
+def _parameter_const(node):
+  """A constant that is an op's parameter, not data: a few entries and
+  bytes (a string scalar can hold a serialized table: a review)."""
+  return (_elements(node) <= _PARAMETER_ELEMENTS
+          and node.attr["value"].tensor.ByteSize() <= _PARAMETER_BYTES)
+
+
 def _small_const(node):
   return (node.op == "Const" and _elements(node) <= _SMALL_ELEMENTS
           and node.attr["value"].tensor.ByteSize() <= _SMALL_BYTES)
@@ -161,7 +173,8 @@ def _writes_state(op):
   return (op.startswith(("Assign", "ResourceScatter", "ResourceApply",
                          "ResourceSparseApply", "LookupTableInsert",
                          "LookupTableRemove", "LookupTableImport",
-                         "ScatterNd", "ResourceStridedSliceAssign"))
+                         "ScatterNd", "ResourceStridedSliceAssign", "Write",
+                         "Save", "QueueEnqueue"))
           and op != "ScatterNd")
 
 
@@ -205,7 +218,7 @@ def _function_problem(library, name, arg_taints, seen, top=False):
   for node in nodes:
     data_inputs = [r for r in node.input if not r.startswith("^")]
     if node.op == "Const":  # parameters (axes, shapes, slice bounds), or data
-      taints[node.name] = (set() if _elements(node) <= _PARAMETER_ELEMENTS
+      taints[node.name] = (set() if _parameter_const(node)
                            else {SMALL} if _small_const(node) else {LARGE})
     elif not data_inputs:
       taints[node.name] = {LARGE}  # a handle, a table, a reader's state
@@ -302,7 +315,40 @@ def _batch_map_problem(library, name, arg_taints, seen):
 
 
 def _scalar_const(node):
-  return node is not None and node.op == "Const" and _elements(node) == 1
+  """A constant of rank ≤ 1 (a scale, a per-feature mean): broadcast against
+  a batch, it meets each row alone and adds no leading axis."""
+  return (node is not None and node.op == "Const"
+          and len(node.attr["value"].tensor.tensor_shape.dim) <= 1)
+
+
+# Ops a file name may pass through from the element to a reader: the
+# element names its own file (a path from list_files), perhaps joined to a
+# directory; any arithmetic on it could name another element's file (a
+# review read file i mod 32 from element i: each file twice an epoch).
+_NAME_OPS = frozenset(["Identity", "StringJoin", "StaticRegexReplace",
+                       "RegexReplace"])
+
+
+def _names_element(by_name, inputs):
+  """True if every input reaches a function argument (the element) through
+  _NAME_OPS and constants only."""
+  stack, seen = [_source(r) for r in inputs], set()
+  reached = False
+  while stack:
+    name = stack.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    node = by_name.get(name)
+    if node is None:  # a function argument
+      reached = True
+      continue
+    if node.op == "Const":
+      continue
+    if node.op not in _NAME_OPS:
+      return False
+    stack.extend(_source(r) for r in node.input if not r.startswith("^"))
+  return reached
 
 
 def _random(op):
@@ -313,6 +359,7 @@ def _propagate(nodes, taints):
   """Each node's taints: the union of its data inputs' (shapes carry no
   values; a file read by a name not from the element is LARGE), to a fixed
   point in any order of the nodes."""
+  by_name = {node.name: node for node in nodes}
   changed = True
   while changed:
     changed = False
@@ -322,9 +369,11 @@ def _propagate(nodes, taints):
         continue
       held = set().union(*[taints.get(_source(r), set()) for r in inputs])
       if node.op in _SHAPE_OPS or _random(node.op):
-        held = held & {ELEMENT}
-      if node.op in _READER_OPS and not all(
-          ELEMENT in taints.get(_source(r), set()) for r in inputs):
+        # A shape or a draw carries no small parameter's values (a Keras
+        # SeedGenerator's state); large data can still be encoded in them
+        # (a review: a table's value as tf.size(tf.range(value))).
+        held = held & {ELEMENT, LARGE}
+      if node.op in _READER_OPS and not _names_element(by_name, inputs):
         held = held | {LARGE}
       if not held <= taints.get(node.name, set()):
         taints[node.name] = taints.get(node.name, set()) | held
@@ -394,6 +443,17 @@ def classify(dataset):
     if op not in PASS_OPS:
       return REPEATS, f"its pipeline has {op}"
     inputs = [r for r in node.input if not r.startswith("^")]
+    if op == "TakeWhileDataset":
+      return MIXES, ("its pipeline has take_while: one element's value "
+                     "decides whether every later element is used")
+    if op in _DROP_OPS and node.name in on_batches:
+      return MIXES, (f"its pipeline drops whole batches ({op} after batch): "
+                     "one example decides whether the others in its batch "
+                     "are used")
+    if op in ("CacheDataset", "CacheDatasetV2") and len(inputs) > 1 and (
+        _const_value(nodes, inputs[1]) not in (None, b"")):
+      return REPEATS, ("its pipeline reads a cache file, which may hold "
+                       "other data than the pipeline's")
     if op in ("RepeatDataset", "ShuffleAndRepeatDataset"):
       # (input, count); (input, buffer_size, seed, seed2, count, ...)
       at = 1 if op == "RepeatDataset" else 4
