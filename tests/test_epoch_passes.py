@@ -246,6 +246,13 @@ def _large(n=2048):
     ("normalize after batch", lambda: _slices().batch(B).map(
         lambda a, b: ((a - _data()[0].mean(0)) / _data()[0].std(0), b)),
      True, 0),
+    # Round 15: padding to the batch's longest element puts that length in
+    # every row (14.9C through a mean over time); fixed sizes do not.
+    ("padded_batch to the longest", lambda: tf.data.Dataset.range(N).map(
+        lambda i: tf.ones([i % 5 + 1])).padded_batch(B), False, REFUSED),
+    ("padded_batch to a fixed size", lambda: tf.data.Dataset.range(N).map(
+        lambda i: tf.ones([i % 5 + 1])).padded_batch(
+            B, padded_shapes=[8]), True, 0),
     ("arrays", lambda: _data(), True, 0),
     ("PyDataset", _Batches, False, ledger_lib.MAY_REPEAT),
     ("generator", lambda: (b for b in [_data()]), False,

@@ -382,8 +382,9 @@ def test_queries_drawing_tensorflow_random_ops_are_refused_under_xla():
   # draw with them) was the same in every run under jit_compile=True.
   class OwnRandom:  # any DPQuery but this library's mechanisms
     pass
-  with pytest.raises(ValueError, match="same numbers in every process"):
-    queries.check_not_under_xla(OwnRandom(), True)
+  for jit_compile in (True, np.bool_(True), 1, "auto"):  # (np.bool_: a review)
+    with pytest.raises(ValueError, match="same numbers in every process"):
+      queries.check_not_under_xla(OwnRandom(), jit_compile)
   queries.check_not_under_xla(OwnRandom(), False)
   queries.check_not_under_xla(mechanisms.IndependentNoise(1.0, 1.0), True)
 
@@ -399,3 +400,12 @@ def test_a_tf_privacy_query_under_xla_is_refused_before_a_step():
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
   for w, b in zip(model.get_weights(), before):
     np.testing.assert_array_equal(w, b)
+  # A review: jit_compile turned off after the train function was made
+  # left that XLA function in use.
+  model = _model(tf_dpadambc.DPSGD(
+      query=tf_privacy.GaussianSumQuery(l2_norm_clip=1.0, stddev=1.0),
+      learning_rate=1.0), jit_compile=True)
+  model.make_train_function()
+  model.jit_compile = False
+  with pytest.raises(ValueError, match="same numbers in every process"):
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)

@@ -251,27 +251,45 @@ def test_saved_models_hold_no_training_metric_totals(save, tmp_path):
                                model.predict(x, verbose=0), rtol=1e-6)
 
 
+_RELAY = []  # a variable no model tracks
+
+
 class _BatchedWrite(tf_keras.layers.Layer):
-  """Writes the batch's mean into a trained weight, only in the batched
-  forward pass (each unit, evaluated alone, has one row)."""
+  """Writes the batch's mean into a weight, only in the batched forward
+  pass (each unit, evaluated alone, has one row): directly, from a nested
+  tf.function, or relayed through a variable no model tracks."""
+
+  def __init__(self, how="direct"):
+    super().__init__()
+    self.how = how
 
   def build(self, input_shape):
     self.junk = self.add_weight("junk", shape=(input_shape[-1],),
                                 initializer="zeros")
+    if not _RELAY:
+      _RELAY.append(tf.Variable(tf.zeros([input_shape[-1]])))
 
   def call(self, x):
     if x.shape[0] != 1:
-      self.junk.assign(tf.reduce_mean(x, 0) * 100.0)
+      mean = tf.reduce_mean(x, 0) * 100.0
+      if self.how == "direct":
+        self.junk.assign(mean)
+      elif self.how == "nested":
+        tf.function(lambda m: self.junk.assign(m))(mean)
+      else:
+        _RELAY[0].assign(mean)
+        self.junk.assign(_RELAY[0].read_value())
     return x + 0.0 * self.junk
 
 
+@pytest.mark.parametrize("how", ["direct", "nested", "relay"])
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_write_from_the_batched_pass_is_refused(jit_compile):
+def test_a_write_from_the_batched_pass_is_refused(jit_compile, how):
   """A review: a layer wrote the batch mean into a trained weight in the
   batched forward pass only, which the per-unit evaluation never traces:
   691C between neighbours, no error."""
   tf_keras.utils.set_random_seed(0)
-  model = tf_keras.Sequential([tf_keras.Input((D,)), _BatchedWrite(),
+  model = tf_keras.Sequential([tf_keras.Input((D,)), _BatchedWrite(how),
                                tf_keras.layers.Dense(1)])
   model.compile(optimizer=dptk.DPSGD(1.0, 1.0, learning_rate=0.1), loss=LOSS,
                 jit_compile=jit_compile)

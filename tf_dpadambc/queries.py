@@ -423,7 +423,9 @@ def check_not_under_xla(query, jit_compile):
   compiled by XLA (``jit_compile`` True): this library's mechanisms draw
   stateless noise from a secret seed, and are fine."""
   query = getattr(query, "query", query)  # a QueryRelease's DPQuery
-  if query is not None and jit_compile is True and not isinstance(
+  # Any true value (np.bool_, 1, "auto" left unresolved) may compile with
+  # XLA (a review: np.bool_(True) passed an `is True` test).
+  if query is not None and bool(jit_compile) and not isinstance(
       query, mechanisms.NoiseMechanism):
     raise ValueError(XLA_ERROR.format(query=type(query).__name__))
 

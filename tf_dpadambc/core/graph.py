@@ -393,7 +393,8 @@ def ops_before(trace, count=None):
   return ops
 
 
-def written_from_data(ops, before, data, held=(), handles=(), trained=()):
+def written_from_data(ops, before, data, held=(), handles=(), trained=(),
+                      exclude=None):
   """Writes, among the ops ``before`` (those a traced step created before
   the unit function ``ops``), to a variable the unit function reads (or
   one of ``handles``, variables' resource tensors), of a value computed
@@ -404,11 +405,16 @@ def written_from_data(ops, before, data, held=(), handles=(), trained=()):
   ``trained`` variables' handles are left out: an earlier private step in
   the same trace updates them from its (noised) release.
 
+  ``exclude`` (handles) instead of a list of read variables: every write
+  but to those (a relay through a variable no one tracks: a review).
+
   Only what one trace shows: a write made eagerly before the step, or in
   an earlier step, is not seen.
   """
   cache = {}
   read = {_origin(handle, cache) for handle in handles}
+  excluded = (None if exclude is None
+              else {_origin(handle, cache) for handle in exclude})
   for op in ops:
     for tensor in op.inputs:
       if tensor.dtype == tf.resource:
@@ -421,7 +427,10 @@ def written_from_data(ops, before, data, held=(), handles=(), trained=()):
     if not _writes_variable(op.type) or not op.inputs:
       continue
     handle = op.inputs[0]
-    if handle.dtype != tf.resource or _origin(handle, cache) not in read:
+    if handle.dtype != tf.resource:
+      continue
+    origin = _origin(handle, cache)
+    if (origin in excluded) if excluded is not None else (origin not in read):
       continue
     for value in op.inputs[1:]:
       if _outside_source(value, data, held, set(), cache) is not None:

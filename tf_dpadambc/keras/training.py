@@ -483,6 +483,9 @@ def _advance_seed_generators(model):
     sg.next()
 
 
+_MADE_WITH_XLA = "_tf_dpadambc_made_with_xla"
+
+
 def _dp_train_step(self, data):
   """The train step ``make_private`` installs (``self`` is the model).
 
@@ -494,8 +497,12 @@ def _dp_train_step(self, data):
   """
   x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
   optimizer, replicated = _plan_stage(self, sample_weight)
-  queries.check_not_under_xla(getattr(optimizer, "query", None),
-                              getattr(self, "jit_compile", False))
+  # (and the setting the train function was made with: jit_compile set
+  # to False after make_train_function left an XLA function; a review)
+  queries.check_not_under_xla(
+      getattr(optimizer, "query", None),
+      bool(getattr(self, "jit_compile", False))
+      or bool(self.__dict__.get(_MADE_WITH_XLA, False)))
   optimizer.before_step(self)  # public work only (e.g. AdaDPS' refresh)
   validation.check_model(self)
   validation.check_forward(self, x)  # before any evaluation of the model
@@ -737,6 +744,9 @@ def _checked_train_function(model):
           "step without XLA (jit_compile=False).", model.name,
           model.distribute_strategy.num_replicas_in_sync)
       model.jit_compile = False
+    if force or getattr(model, "train_function", None) is None:
+      # What this train function is compiled with (a cached one keeps it).
+      object.__setattr__(model, _MADE_WITH_XLA, bool(model.jit_compile))
     make(force)
     function = model.train_function
     if getattr(function, "_tf_dpadambc_checked", False):

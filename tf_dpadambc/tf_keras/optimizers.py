@@ -144,6 +144,7 @@ _JACOBIAN_ERROR = (
     "True. That removes the differential-privacy guarantee for any model "
     "that does mix examples.")
 
+_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 # The ops of this adapter's own releases, per traced graph: their writes
 # (the noised update) are not the batch's.
 _OWN_UPDATES = weakref.WeakKeyDictionary()
@@ -850,10 +851,17 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     own = _OWN_UPDATES.get(trace, set())
     before = [op for op in graph.ops_before(trace, count)
               if not (op.graph is trace and op.name in own)]
-    variables = list(model.variables) + list(self._inner.variables)
-    handles = [v.handle for v in variables if hasattr(v, "handle")]
+    # Every variable but the metrics' (whose state the logs keep): a write
+    # relayed through a variable the model does not track reaches it too.
+    metric_handles = [v.handle for m in model.metrics for v in m.variables
+                      if hasattr(v, "handle")]
     writes = graph.written_from_data(
-        [], before, [], _held_tensors(model), handles=handles)
+        [], before, [], _held_tensors(model), exclude=metric_handles)
+    # A function called by the batched pass (a nested tf.function) may not
+    # write state at all: its writes are not among the trace's own ops.
+    writes += graph.state_effects(
+        [op for op in before if op.type in _CALL_OPS],
+        allowed=lambda op: False)
     if writes:
       raise ValueError(
           "tf_dpadambc: the training step wrote a value computed from the "
