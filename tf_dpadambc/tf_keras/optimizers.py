@@ -50,6 +50,7 @@ constructor signature.
 """
 import logging
 import sys
+import threading
 import weakref
 
 import keras
@@ -145,6 +146,19 @@ _JACOBIAN_ERROR = (
     "that does mix examples.")
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+_PENDING = threading.local()  # the batched pass a release checks first
+
+
+def _handles(variable):
+  """The resource handles of ``variable``: of each replica's component for
+  a distributed one (a metric's sum under MirroredStrategy)."""
+  found = []
+  for part in (*getattr(variable, "values", ()), variable):
+    try:
+      found.append(part.handle)
+    except (AttributeError, ValueError, RuntimeError):
+      continue
+  return found
 # The ops of this adapter's own releases, per traced graph: their writes
 # (the noised update) are not the batch's.
 _OWN_UPDATES = weakref.WeakKeyDictionary()
@@ -816,9 +830,8 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
       # What the trace wrote before this point (the batched forward pass and
       # the loss) is checked before the release, after the per-unit checks
       # (whose errors say more).
-      object.__setattr__(self, "_batched_pass", (
-          model, None if tf.executing_eagerly() else
-          len(tf.compat.v1.get_default_graph().get_operations())))
+      _PENDING.check = (model, None if tf.executing_eagerly() else
+                        len(tf.compat.v1.get_default_graph().get_operations()))
       for layer in _compat.all_layers(model):
         policy = getattr(layer, "dtype_policy", None)
         if policy is not None and getattr(policy, "compute_dtype", None) != (
@@ -844,7 +857,9 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
     ``junk.assign(batch mean · B)`` when ``x.shape[0] != 1``, 691C, never
     seen by the per-unit trace). Writes made by this adapter's own earlier
     releases in the same trace are left out (they are noised)."""
-    model, count = self.__dict__.pop("_batched_pass", (None, None))
+    model, count = getattr(_PENDING, "check", None) or (None, None)
+    _PENDING.check = None  # (per thread: tf.distribute traces each replica
+    # in a thread of its own)
     if model is None or count is None or tf.executing_eagerly():
       return
     trace = tf.compat.v1.get_default_graph()
@@ -853,10 +868,13 @@ class TFKerasDPOptimizer(tf_keras.optimizers.Optimizer):
               if not (op.graph is trace and op.name in own)]
     # Every variable but the metrics' (whose state the logs keep): a write
     # relayed through a variable the model does not track reaches it too.
-    metric_handles = [v.handle for m in model.metrics for v in m.variables
-                      if hasattr(v, "handle")]
+    own = [getattr(self, "_vectorized_steps", None),
+           getattr(self, "_refused_steps", None)]  # the check's counters
+    excluded = [h for m in model.metrics for v in m.variables
+                for h in _handles(v)]
+    excluded += [h for v in own if v is not None for h in _handles(v)]
     writes = graph.written_from_data(
-        [], before, [], _held_tensors(model), exclude=metric_handles)
+        [], before, [], _held_tensors(model), exclude=excluded)
     # A function called by the batched pass (a nested tf.function) may not
     # write state at all: its writes are not among the trace's own ops.
     writes += graph.state_effects(
