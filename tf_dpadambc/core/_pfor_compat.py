@@ -4,8 +4,8 @@ rules, for rules that keep every unit to its own data.
 Per-unit evaluation (``tf.vectorized_map``) is what makes per-example clipping
 exact by construction, so it must compute, for each unit, what a loop over
 the units would: nothing of one unit may reach another's result. Three of
-TensorFlow 2.21's rules (or families of rules) broke that; a fourth
-computes wrong values.
+TensorFlow 2.21's rules (or families of rules) broke that; two more
+compute wrong values (BatchMatMulV2 with oneDNN, PadV2's constant).
 
 **Segment and gather-gradient ops.** pfor vectorizes ``UnsortedSegment*``,
 ``SparseSegment*`` and ``SparseSegment*Grad`` as one op over the flattened

@@ -427,8 +427,8 @@ def _refuse_write(variable):
   if callback is None:
     raise ValueError(
         f"A metric wrote the variable '{variable.name}' of the model or its "
-        "optimizer in the private step's logs, which are computed from the batch without "
-        "noise: the next steps' gradients (and the saved weights) would "
+        "optimizer in the private step's logs, which are computed from the "
+        "batch without noise: the next steps' gradients (and the saved weights) would "
         "read it without noise (a review: 8C for a bound of 2C). A metric "
         "must keep its state in variables of its own (add_variable), not "
         "in the model's.")
@@ -448,8 +448,10 @@ def _refuse_write(variable):
 @contextlib.contextmanager
 def model_unwritten(model):
   """Within it (the private step's logs stage: metrics updated from the
-  batch), the model's variables may not be written: ``ValueError`` at the
-  write, when traced (or run eagerly), before any step runs with it."""
+  batch), the model's and its optimizer's variables may not be written:
+  ``ValueError`` at the write, when traced (or run eagerly), before any step
+  runs with it. Writes through Python's variable methods only: a
+  ``tf.raw_ops`` write on a handle is not seen."""
   _guard_variable_writes()
   # The model's variables and its optimizer's, private state included (a
   # review: a metric wrote the batch's labels into the momentum, 982x, and
