@@ -45,8 +45,8 @@ def test_standard_normal_moments_tails_and_ks():
     assert abs((np.abs(z) > t).mean() - p) < 5 * math.sqrt(p * (1 - p) / n)
   # The two halves of a pair (r sin θ, r cos θ) are uncorrelated, and so
   # are r² and θ-parts: z₁² + z₂² = r² is χ²₂ (exponential, mean 2).
-  half = (n + 1) // 2
-  first, second = z[:half - 1], z[half:]
+  half = (n + 7) // 8 * 4  # pairs in whole Philox blocks
+  first, second = z[:n - half], z[half:]
   assert abs(np.corrcoef(first, second)[0, 1]) < 5 / math.sqrt(half)
   r2 = first**2 + second**2
   assert stats.kstest(r2, "expon", args=(0, 2)).pvalue > 1e-3
@@ -54,12 +54,13 @@ def test_standard_normal_moments_tails_and_ks():
 
 def test_standard_normal_is_box_muller_of_its_philox_words():
   """Each pair is (r sin 2πu₂, r cos 2πu₂) of the same two Philox words,
-  the sines filling the first ⌈n/2⌉ coordinates: against a float64 NumPy
+  the sines filling the first h = 4⌈n/8⌉ coordinates (pairs in whole
+  Philox blocks: the last ≤ 7 draws are dropped): against a float64 NumPy
   transform of the words (float32 rounding and the 1e-7 polynomials)."""
   n = 10_001
   z = _xla(lambda s: noise.standard_normal([n], s), SEED).numpy()
   words = tf.random.stateless_uniform(
-      [2, (n + 1) // 2], seed=SEED, minval=None, maxval=None,
+      [2, (n + 7) // 8 * 4], seed=SEED, minval=None, maxval=None,
       dtype=tf.uint32, alg="philox").numpy().astype(np.float64)
   u1 = (words[0] + 0.5) * 2.0**-32
   u2 = (np.floor(words[1] / 2**9) + 0.5) * 2.0**-23
@@ -110,8 +111,36 @@ def test_gaussian_noise_like_scales_and_keeps_dtypes():
   assert [o.shape for o in out] == [t.shape for t in templates]
   big = out[0].numpy().astype(np.float64)
   assert abs(big.std() - 2.5) < 5 * 2.5 / math.sqrt(2 * big.size)
-  # Tensor j draws with fold_in(seed, j): independent of tensor 0.
-  np.testing.assert_allclose(
-      out[0].numpy(), 2.5 * noise.standard_normal(
-          (300, 200), tf.random.experimental.stateless_fold_in(SEED, 0)),
-      rtol=1e-6)
+  # The float32-drawn tensors are consecutive pieces of one draw with
+  # fold_in(seed, 0); the float64 one draws with fold_in(seed, j + 1).
+  one = noise.standard_normal(
+      [300 * 200 + 9], tf.random.experimental.stateless_fold_in(SEED, 0))
+  np.testing.assert_allclose(out[0].numpy(),
+                             2.5 * tf.reshape(one[:60000], (300, 200)),
+                             rtol=1e-6)
+  np.testing.assert_array_equal(
+      out[1].numpy(), tf.cast(2.5 * one[60000:], tf.bfloat16).numpy())
+  np.testing.assert_allclose(out[2].numpy(), tf.random.stateless_normal(
+      (4, 4), tf.random.experimental.stateless_fold_in(SEED, 3), stddev=2.5,
+      dtype=tf.float64, alg="philox").numpy())
+
+
+def test_gaussian_noise_like_pieces_are_independent_and_reproducible():
+  """The pieces of one draw: each N(0, 1), uncorrelated with the others,
+  the same under XLA and eagerly and for the same seed, different for
+  another seed."""
+  templates = [tf.zeros((200, 150)), tf.zeros((30000,)), tf.zeros((1,))]
+  out = [o.numpy().ravel() for o in noise.gaussian_noise_like(templates, 1.0,
+                                                               SEED)]
+  xla = tf.function(lambda s: noise.gaussian_noise_like(templates, 1.0, s),
+                    jit_compile=True)(SEED)
+  for a, b in zip(out, xla):
+    np.testing.assert_allclose(a, b.numpy().ravel(), rtol=1e-5, atol=2e-6)
+  for z in out[:2]:
+    assert abs(z.mean()) < 5 / math.sqrt(z.size)
+    assert abs(z.std() - 1) < 5 / math.sqrt(2 * z.size)
+  assert abs(np.corrcoef(out[0][:30000], out[1])[0, 1]) < 5 / math.sqrt(30000)
+  again = noise.gaussian_noise_like(templates, 1.0, SEED)
+  other = noise.gaussian_noise_like(templates, 1.0, SEED + 1)
+  np.testing.assert_array_equal(out[0], again[0].numpy().ravel())
+  assert not np.allclose(out[1], other[1].numpy().ravel())
