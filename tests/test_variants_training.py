@@ -117,6 +117,24 @@ def _check_diagnostics(history, opt, model):
         np.mean(v_hat < 0), abs=1e-6)
 
 
+def test_negative_v_counted_only_where_logged():
+  """v̂ < 0 is counted (a pass over v̂ each step) only by the estimators
+  that log it; for the others num_negative is 0 without counting."""
+  from tf_dpadambc.core import diagnostics  # pylint: disable=import-outside-toplevel
+  v_hat = tf.constant([-1.0, 0.5, -2.0, 3.0])
+  counted = diagnostics.moment_statistics(v_hat, 0.5, floor=1.0)
+  assert float(counted.num_negative) == 2.0
+  assert float(counted.num_clamped) == 3.0  # v̂ − Φ < γ'
+  assert float(counted.ratio_sum) == pytest.approx(1.0)
+  skipped = diagnostics.moment_statistics(v_hat, 0.5, negative=False)
+  assert float(skipped.num_negative) == 0.0
+  for cls, extra in ALL:
+    opt = _quiet(cls, 1.0, 1.0, **extra)
+    if hasattr(opt, "_logs_negative"):
+      assert opt._logs_negative == (  # pylint: disable=protected-access
+          "dp_negative_v_fraction" in _expected_diagnostics(cls)), cls
+
+
 # ----------------------------------------------------- 5. config round trip
 @pytest.mark.parametrize("cls, extra", ALL, ids=lambda a: getattr(
     a, "__name__", ""))

@@ -26,8 +26,11 @@ num_negative: #(v̂ < 0). count: number of coordinates.
 """
 
 
-def moment_statistics(v_hat, phi, floor=None):
-  """:class:`MomentStatistics` of one tensor's v̂ against its noise bias Φ."""
+def moment_statistics(v_hat, phi, floor=None, negative=True):
+  """:class:`MomentStatistics` of one tensor's v̂ against its noise bias Φ.
+
+  ``negative=False``: num_negative is 0 without counting (for estimators
+  whose v̂ is an average of squares, never < 0: one pass fewer a step)."""
   v_hat = tf.cast(v_hat, tf.float32)
   phi = tf.cast(phi, tf.float32)
   if phi.shape.rank == 0:
@@ -40,7 +43,8 @@ def moment_statistics(v_hat, phi, floor=None):
              if floor is not None else tf.constant(0.0))
   return MomentStatistics(
       ratio_sum, clamped,
-      tf.reduce_sum(tf.cast(v_hat < 0, tf.float32)),
+      (tf.reduce_sum(tf.cast(v_hat < 0, tf.float32)) if negative
+       else tf.constant(0.0)),
       tf.cast(tf.size(v_hat), tf.float32))
 
 

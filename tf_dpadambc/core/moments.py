@@ -28,6 +28,12 @@ def debias(average, decay, step):
   return average / (1.0 - tf.pow(tf.cast(decay, average.dtype), step))
 
 
+def debias_factor(decay, step, dtype=tf.float32):
+  """1 / (1 - β^t), the scalar :func:`debias` divides by (t ≥ 1)."""
+  step = tf.cast(step, dtype)
+  return 1.0 / (1.0 - tf.pow(tf.cast(decay, dtype), step))
+
+
 def dp_noise_variance(noise_multiplier, l2_norm_clip, batch_size):
   """Φ = (σC/B)²: per-coordinate variance of the noise in the private mean."""
   return (noise_multiplier * l2_norm_clip / batch_size) ** 2

@@ -61,14 +61,18 @@ class Adaptive(base.DPOptimizer):
         self._noise_bias, ctx.release.noise_variance, self._second_decay))
 
   def _estimate(self, accumulator, step):
-    """v̂ from the accumulator v at 1-based ``step`` (step 0: v itself)."""
+    """v̂ from the accumulator v at 1-based ``step`` (step 0: 0).
+
+    v times a scalar, 1/(1 − β^t) (0 at step 0): a product XLA fuses into
+    each consumer (the update and the diagnostics), where a full-size
+    quotient and select were materialized on every step."""
     if not self._debias or self._second_decay is None:
       return accumulator
     step = tf.cast(step, accumulator.dtype)
     safe = tf.maximum(step, 1.0)
-    return tf.where(step > 0,
-                    moments.debias(accumulator, self._second_decay, safe),
-                    tf.zeros_like(accumulator))
+    factor = tf.where(step > 0, moments.debias_factor(
+        self._second_decay, safe, accumulator.dtype), 0.0)
+    return accumulator * factor
 
   def phi(self, step=None):
     """Φ_t, the DP noise bias of v̂ at (1-based) step t (default: the last)."""
@@ -113,7 +117,13 @@ class Adaptive(base.DPOptimizer):
 
   def _statistics(self, index, v_hat, phi):
     del index
-    return diagnostics.moment_statistics(v_hat, phi)
+    return diagnostics.moment_statistics(v_hat, phi,
+                                         negative=self._logs_negative)
+
+  @property
+  def _logs_negative(self):
+    """Whether the step counts v̂ < 0 (only estimators whose v̂ can be)."""
+    return diagnostics.NEGATIVE_V_FRACTION in self.traits.diagnostics
 
 
 # ------------------------------------------------------------- families

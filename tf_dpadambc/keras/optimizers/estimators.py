@@ -85,7 +85,8 @@ class BiasCorrection(adaptive.Adaptive):
                                             self.gamma_prime)
 
   def _statistics(self, index, v_hat, phi):
-    return diagnostics.moment_statistics(v_hat, phi, floor=self.gamma_prime)
+    return diagnostics.moment_statistics(v_hat, phi, floor=self.gamma_prime,
+                                         negative=self._logs_negative)
 
   def get_config(self):
     config = super().get_config()
@@ -307,7 +308,8 @@ class ScaleThenPrivatize(_Epsilon):
   def _statistics(self, index, v_hat, phi):
     ctx = self.step_context
     scale = keras.ops.cast(ctx.scale[ctx.position(index)], v_hat.dtype)
-    return diagnostics.moment_statistics(v_hat * scale * scale, phi)
+    return diagnostics.moment_statistics(v_hat * scale * scale, phi,
+                                         negative=self._logs_negative)
 
   def get_config(self):
     config = super().get_config()
