@@ -534,13 +534,16 @@ def _embedding_sq_norms_reference(ids, delta, vocab):
   return np.sum(grads ** 2, axis=(1, 2))
 
 
+@pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("padding", [True, False])
 @pytest.mark.parametrize("jit", [False, True])
-def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding):
+def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding, static):
   """δ rows that are one row per unit (mean pooling; zero rows where padding
   is masked) take the counting shortcut — without padding, after a check
   that all rows are equal; any other δ the sorted row sums. All equal the
-  materialized ‖∇E_u‖² (ids repeat: vocabulary 7)."""
+  materialized ‖∇E_u‖² (ids repeat: vocabulary 7). A static batch runs the
+  shortcut unconditionally (the fallback under a cond), an unknown one
+  under conds."""
   rng = np.random.default_rng(3)
   units, length, vocab, dim = 5, 12, 7, 3
   ids = rng.integers(0, vocab, (units, length))
@@ -574,8 +577,12 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding):
   # check fails and the general path gives the same norms.
   huge = pooled.copy()
   huge[2] = np.sign(huge[2]) * 3e38
+  signature = None if static else [
+      tf.TensorSpec([None, None], tf.int64),
+      tf.TensorSpec([None, None, dim], tf.float32)]
   norms = tf.function(
-      lambda i, d: ghost.embedding_sq_norms(i, d, vocab), jit_compile=jit)
+      lambda i, d: ghost.embedding_sq_norms(i, d, vocab), jit_compile=jit,
+      input_signature=signature)
   for delta in (pooled, general, later, signed_zero, partial, negated,
                 nan_row, inf_row, nan_in_row, all_nan, all_inf, huge):
     np.testing.assert_allclose(

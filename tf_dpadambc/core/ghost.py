@@ -509,6 +509,9 @@ def _segments_by_sort(ids, delta, vocab_size):
 
 # Most per-unit token counters (int32) the pooled shortcut below allocates.
 _MAX_COUNTERS = 1 << 24
+# The pooled shortcut runs unconditionally (embedding_sq_norms) where a
+# unit's counters (vocab) are at most this many times its δ (T·d values).
+_COUNTERS_PER_ROW = 4
 
 
 def _one_row_per_unit(delta):
@@ -641,16 +644,36 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   """
   delta = tf.convert_to_tensor(delta)
   sorted_sq = lambda: _sorted_with_bound(ids, delta, vocab_size, scale)
-  if scale is None and (ids.shape[0] is None
-                        or ids.shape[0] * vocab_size <= _MAX_COUNTERS):
+
+  def masked_rows():  # padding positions (zero rows) between them
+    pooled, g, nonzero = _one_row_per_unit(delta)
+    return tf.cond(pooled,
+                   lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+                   sorted_sq)
+  units, length, dim = ids.shape[0], delta.shape[1], delta.shape[2]
+  if scale is None and units is not None and length is not None and (
+      dim is not None) and units * vocab_size <= _MAX_COUNTERS and (
+          vocab_size <= _COUNTERS_PER_ROW * length * dim):
+    # The pooled case outside any cond, its result used outside one: the
+    # check and the counts run unconditionally, and only the fallback runs
+    # under a cond (which returns zeros when not needed). Computed inside
+    # a conditional's branch, or used only there (XLA then moves it into
+    # the branch), the same work took 0.8 ms more of an embedding bag's
+    # step on the CPU (batch 256: 6.3 → 5.5 ms). Only where the counters
+    # are at most a few times δ's size: a model whose rows differ (a
+    # transformer's embedding) pays the check and the counts for nothing.
+    equal, g = _equal_rows(delta)
+    pooled_sq, pooled_bound = _pooled_sq_norms(
+        ids, g, tf.ones(tf.shape(ids), tf.bool), vocab_size)
+    zero = tf.zeros_like(pooled_sq)
+    other_sq, other_bound = tf.cond(
+        equal, lambda: (zero, zero), lambda: tf.cond(
+            _may_be_one_row_per_unit(delta), masked_rows, sorted_sq))
+    sq = tf.where(equal, pooled_sq, other_sq)
+    bound = tf.where(equal, pooled_bound, other_bound)
+  elif scale is None and units is None:
     def counted():
       equal, g = _equal_rows(delta)
-
-      def masked_rows():  # padding positions (zero rows) between them
-        pooled, g, nonzero = _one_row_per_unit(delta)
-        return tf.cond(pooled,
-                       lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
-                       sorted_sq)
       every = tf.ones(tf.shape(ids), tf.bool)
       return tf.cond(equal,
                      lambda: _pooled_sq_norms(ids, g, every, vocab_size),
