@@ -675,6 +675,30 @@ def test_conv_grad_by_patches_equals_the_filter_backprop(kernel, strides,
 
 
 @pytest.mark.parametrize("jit", [False, True])
+def test_finite_scaled_down_flags_rows_not_finite_whatever_max_does_with_nan(
+    jit):
+  """One reduction flags a row with NaN or ±inf anywhere (XLA's CPU maximum
+  ignores NaN: the row's NaN is counted as +inf before it), scales rows
+  above 2⁶⁴ by 2⁻⁶⁴ and zeroes the non-finite values; a row of no values
+  is not flagged."""
+  rows = np.array([[1.0, np.nan, 2.0], [np.inf, 2.0, 1.0],
+                   [1.0, 2.0, -np.inf], [3e38, 1.0, -2.0], [1.0, -2.0, 0.5]],
+                  np.float32)
+  fn = tf.function(lambda t: ghost._finite_scaled_down(  # pylint: disable=protected-access
+      t, lambda u: u), jit_compile=jit)
+  out, exponent, bad = fn(tf.constant(rows))
+  np.testing.assert_array_equal(bad.numpy(), [True, True, True, False, False])
+  np.testing.assert_array_equal(exponent.numpy()[3:], [64, 0])
+  assert np.isfinite(out.numpy()).all()
+  np.testing.assert_array_equal(out.numpy()[4], rows[4])
+  np.testing.assert_allclose(out.numpy()[3], rows[3] * 2.0 ** -64)
+  empty = tf.function(lambda t: ghost._finite_scaled_down(  # pylint: disable=protected-access
+      t, lambda u: tf.reshape(u, [3, -1])), jit_compile=jit)
+  _, exponent, bad = empty(tf.zeros([3, 0, 4, 1]))
+  assert not bad.numpy().any() and not exponent.numpy().any()
+
+
+@pytest.mark.parametrize("jit", [False, True])
 def test_single_channel_conv_unit_grads_are_each_rows_own(jit):
   """single_channel_conv_unit_grads (a depthwise convolution over the rows)
   equals the per-row product of the patches and δ, for 2-D and 1-D

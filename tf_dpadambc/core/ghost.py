@@ -886,7 +886,7 @@ def _finite_scaled_down(t, flat):
   largest = tf.reduce_max(
       flat(tf.where(finite, tf.abs(t), tf.constant(math.inf, t.dtype))),
       axis=1)
-  bad = tf.math.is_inf(largest)
+  bad = tf.equal(largest, math.inf)  # (−inf: a row of no values)
   exponent = tf.where(largest > 2.0 ** h, h, 0)
   shape = [-1] + [1] * (t.shape.rank - 1)
   scale = tf.reshape(_power_of_two(-exponent, t.dtype), shape)
