@@ -313,8 +313,8 @@ def float32_chunk(units, max_units):
 
   Batches below L take the slack the constant shrink leaves them: fewer,
   longer chunks, so fewer float32 partial sums to write and add in float64
-  (the MLP at batch 256: 2 chunks of 128 instead of 8 of 32; at 1024, 18 of
-  57 instead of 32 of 32)."""
+  (the MLP, L = 2,040: one chunk of 256 at batch 256 instead of 8 of 32; at
+  1024, 16 of 64 instead of 32 of 32)."""
   if units is None or units == 0 or units > max_units:
     return FLOAT32_CHUNK
   budget = float32_rounding() * float(max_units)
