@@ -838,6 +838,8 @@ def test_float32_chunks_stay_within_the_shrinks_rounding(max_units):
   # The library's own L for the MLP's kernel: one chunk for a batch of 256.
   limit = ghost.float32_max_units(1, 784, 128, tf.float32)
   assert limit == 2040 and ghost.float32_chunk(256, limit) == 256
+  assert ghost.float32_chunk(272, limit) == 272
+  assert ghost.float32_chunk(273, limit) < 273
   assert float(ghost.float32_clip_shrink(limit)) <= 1 + ghost.FLOAT32_MAX_SHRINK
   for units in (None, 0, max_units + 1):  # unknown, empty, float64 sum
     assert ghost.float32_chunk(units, max_units) == ghost.FLOAT32_CHUNK

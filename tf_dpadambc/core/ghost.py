@@ -263,7 +263,7 @@ def linear_grad(a, delta, weights):
 # whose rounding the clip shrink is computed for (and the chunk where U is
 # unknown when traced); the most the clip may shrink for their rounding
 # (2γ_{K₀+5}·L: 0.9%, L = 2,040 units, which leaves room for one chunk of up
-# to 271 units — a batch of 256 in one float32 product, where 2⁻⁷ took two);
+# to 272 units — a batch of 256 in one float32 product, where 2⁻⁷ took two);
 # the smallest kernel (p·d) where they pay; the most memory their partial
 # sums may take.
 FLOAT32_CHUNK = 32
