@@ -600,6 +600,26 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding, static):
       _embedding_sq_norms_reference(distinct, pooled, vocab))
 
 
+@pytest.mark.parametrize("vocab", [7, 5000])
+def test_embedding_norms_count_wherever_the_counters_fit(vocab, monkeypatch):
+  """A static batch whose U·vocab counters fit takes the counting shortcut
+  (unconditionally where vocab ≤ 4·T·d, under a cond otherwise), never the
+  sorted path alone: a large vocabulary once lost the shortcut."""
+  calls = []
+  pooled_sq_norms = ghost._pooled_sq_norms  # pylint: disable=protected-access
+  monkeypatch.setattr(ghost, "_pooled_sq_norms",
+                      lambda *a: calls.append(1) or pooled_sq_norms(*a))
+  rng = np.random.default_rng(5)
+  ids = rng.integers(0, vocab, (4, 6))
+  delta = np.repeat(rng.normal(size=(4, 1, 3)), 6, 1).astype(np.float32)
+  norms = tf.function(lambda i, d: ghost.embedding_sq_norms(i, d, vocab),
+                      jit_compile=True)(tf.constant(ids), tf.constant(delta))
+  assert calls
+  np.testing.assert_allclose(
+      norms.numpy(), _embedding_sq_norms_reference(ids, delta, vocab),
+      rtol=1e-6)
+
+
 @pytest.mark.parametrize("counters", ["fit", "do not fit"])
 @pytest.mark.parametrize("static", [True, False])
 def test_embedding_row_sums_by_first_position_and_by_sort(counters, static,

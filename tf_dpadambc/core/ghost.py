@@ -651,9 +651,9 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
                    lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
                    sorted_sq)
   units, length, dim = ids.shape[0], delta.shape[1], delta.shape[2]
-  if scale is None and units is not None and length is not None and (
-      dim is not None) and units * vocab_size <= _MAX_COUNTERS and (
-          vocab_size <= _COUNTERS_PER_ROW * length * dim):
+  fits = units is not None and units * vocab_size <= _MAX_COUNTERS
+  if scale is None and fits and length is not None and dim is not None and (
+      vocab_size <= _COUNTERS_PER_ROW * length * dim):
     # The pooled case outside any cond, its result used outside one: the
     # check and the counts run unconditionally, and only the fallback runs
     # under a cond (which returns zeros when not needed). Computed inside
@@ -671,16 +671,16 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
             _may_be_one_row_per_unit(delta), masked_rows, sorted_sq))
     sq = tf.where(equal, pooled_sq, other_sq)
     bound = tf.where(equal, pooled_bound, other_bound)
-  elif scale is None and units is None:
+  elif scale is None and (units is None or fits):
     def counted():
       equal, g = _equal_rows(delta)
       every = tf.ones(tf.shape(ids), tf.bool)
       return tf.cond(equal,
                      lambda: _pooled_sq_norms(ids, g, every, vocab_size),
                      masked_rows)
-    fits = tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS
-    sq, bound = tf.cond(fits & _may_be_one_row_per_unit(delta), counted,
-                        sorted_sq)
+    sq, bound = tf.cond(
+        (tf.shape(ids)[0] * vocab_size <= _MAX_COUNTERS)
+        & _may_be_one_row_per_unit(delta), counted, sorted_sq)
   else:
     sq, bound = sorted_sq()
   return guarded(sq, bound, (ids.shape[1] or 1024) + (delta.shape[2] or 0))
