@@ -24,14 +24,17 @@ def ema(average, value, decay):
 
 def debias(average, decay, step):
   """Adam's initialization-bias correction: average / (1 - β^t), t ≥ 1."""
-  step = tf.cast(step, average.dtype)
-  return average / (1.0 - tf.pow(tf.cast(decay, average.dtype), step))
+  return average / _unbiased_share(decay, step, average.dtype)
 
 
 def debias_factor(decay, step, dtype=tf.float32):
   """1 / (1 - β^t), the scalar :func:`debias` divides by (t ≥ 1)."""
-  step = tf.cast(step, dtype)
-  return 1.0 / (1.0 - tf.pow(tf.cast(decay, dtype), step))
+  return 1.0 / _unbiased_share(decay, step, dtype)
+
+
+def _unbiased_share(decay, step, dtype):
+  """1 - β^t: the weight an EMA from zero has put on its inputs by step t."""
+  return 1.0 - tf.pow(tf.cast(decay, dtype), tf.cast(step, dtype))
 
 
 def dp_noise_variance(noise_multiplier, l2_norm_clip, batch_size):
