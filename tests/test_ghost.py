@@ -620,6 +620,49 @@ def test_embedding_norms_count_wherever_the_counters_fit(vocab, monkeypatch):
       rtol=1e-6)
 
 
+@pytest.mark.parametrize("length", [256, 257])
+@pytest.mark.parametrize("rows", ["pooled", "pooled, padded", "distinct"])
+def test_embedding_counters_at_the_edge_of_their_dtype(length, rows):
+  """The U·vocab counters are the narrowest integers that hold T − 1
+  (uint8 up to T = 256, then int16): position 0 is counted apart, so a
+  unit of one token repeated T = 256 times (n = 256, past uint8) counts
+  right, as do first positions up to 255. Pooled rows (the counting
+  shortcut), pooled rows with padding at position 0 (the masked-rows
+  check), and distinct rows (first positions), against the materialized
+  norms."""
+  assert ghost._counter_dtype(length, -1) == (  # pylint: disable=protected-access
+      tf.uint8 if length == 256 else tf.int16)
+  rng = np.random.default_rng(23)
+  units, vocab, dim = 4, 7, 2
+  ids = rng.integers(0, vocab, (units, length))
+  ids[0] = 3  # one token, T times
+  ids[1, 1:] = ids[1, 0]  # the same, through position 0's own count
+  ids[2, ::2] = 5
+  if rows == "distinct":
+    delta = rng.normal(size=(units, length, dim))
+  else:
+    delta = np.repeat(rng.normal(size=(units, 1, dim)), length, 1)
+  if rows == "pooled, padded":
+    delta[:, 0] = 0.0  # position 0 is padding: not counted
+    delta[2, 5:9] = 0.0
+  delta = delta.astype(np.float32)
+  want = _embedding_sq_norms_reference(ids, delta, vocab)
+  for jit in (False, True):
+    got = tf.function(lambda i, d: ghost.embedding_sq_norms(i, d, vocab),
+                      jit_compile=jit)(tf.constant(ids), tf.constant(delta))
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    if rows != "distinct":  # the counts themselves: a wrapped count of
+      # one repeated token would hide behind guarded's bound, which is
+      # exact for such a unit
+      nonzero = np.any(delta != 0, axis=2)
+      g = delta[np.arange(units), np.argmax(nonzero, axis=1)]
+      counted, _ = tf.function(
+          lambda i, g, n: ghost._pooled_sq_norms(i, g, n, vocab),  # pylint: disable=protected-access
+          jit_compile=jit)(tf.constant(ids), tf.constant(g),
+                           tf.constant(nonzero))
+      np.testing.assert_allclose(counted.numpy(), want, rtol=1e-6)
+
+
 @pytest.mark.parametrize("counters", ["fit", "do not fit"])
 @pytest.mark.parametrize("static", [True, False])
 def test_embedding_row_sums_by_first_position_and_by_sort(counters, static,

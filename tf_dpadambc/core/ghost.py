@@ -456,19 +456,25 @@ def _segments(ids, delta, vocab_size):
 
 def _segments_by_first(ids, delta, vocab_size):
   """:func:`_segments` without a sort: a scatter-min of the positions into
-  U·vocab int32 counters gives each position the first position of its id
-  in its unit, and δ is summed into that position's slot (the slots of
+  U·vocab counters (:func:`_counter_dtype`) gives each position the first
+  position of its id in its unit, and δ is summed into that position's slot (the slots of
   later repeats stay zero). XLA's comparator sort took 15 ms for 256 units
   of 256 ids on one CPU core; this, well under a millisecond."""
   delta = tf.convert_to_tensor(delta)
   num_units, length = tf.shape(ids)[0], tf.shape(ids)[1]
   token = tf.cast(_rows_of(ids, vocab_size), tf.int32)
   keys = token + tf.range(num_units)[:, None] * vocab_size
-  positions = tf.broadcast_to(tf.range(length)[None], tf.shape(keys))
+  # Positions 0..T−1 in the narrowest counters that hold them (uint8 up to
+  # T = 256): U·vocab of them, two copies (XLA's CPU scatter is not in
+  # place), 82 MB in int32 at 1,024 units of a 10k vocabulary.
+  positions = tf.broadcast_to(
+      tf.cast(tf.range(length), _counter_dtype(ids.shape[1], -1))[None],
+      tf.shape(keys))
   first = tf.math.unsorted_segment_min(
       tf.reshape(positions, [-1]), tf.reshape(keys, [-1]),
       num_units * vocab_size)
-  slot = tf.gather(first, keys) + tf.range(num_units)[:, None] * length
+  slot = (tf.cast(tf.gather(first, keys), tf.int32)
+          + tf.range(num_units)[:, None] * length)
   sums = tf.math.unsorted_segment_sum(
       tf.reshape(delta, [-1, tf.shape(delta)[-1]]), tf.reshape(slot, [-1]),
       num_units * length)
@@ -507,11 +513,25 @@ def _segments_by_sort(ids, delta, vocab_size):
   return sums, unit, token
 
 
-# Most per-unit token counters (int32) the pooled shortcut below allocates.
+# Most per-unit token counters (uint8 to int32) the paths below allocate.
 _MAX_COUNTERS = 1 << 24
 # The pooled shortcut runs unconditionally (embedding_sq_norms) where a
 # unit's counters (vocab) are at most this many times its δ (T·d values).
 _COUNTERS_PER_ROW = 4
+
+
+def _counter_dtype(length, offset=0):
+  """The narrowest integer dtype that holds 0..T + ``offset`` (T =
+  ``length``, static): uint8, int16 or int32 — the U·vocab counters'
+  memset and scatter scale with their bytes (an embedding bag's counts at
+  256 units of a 10k vocabulary: int32 1.4, int16 1.1, uint8 0.9 ms on the
+  CPU). int32 where T is unknown, and on a GPU without XLA TensorFlow may
+  lack the narrow segment kernels (the op would move to the CPU)."""
+  if length is None or tf.config.list_logical_devices("GPU"):
+    return tf.int32
+  if length + offset <= 255:
+    return tf.uint8
+  return tf.int16 if length + offset < 2 ** 15 else tf.int32
 
 
 def _one_row_per_unit(delta):
@@ -587,23 +607,24 @@ def _pooled_sq_norms(ids, g, nonzero, vocab_size):
   ‖∇E_u‖² = ‖g_u‖² Σ_v n_uv², by counting: no sort.
 
   Σ_v n_uv² = Σ_{t non-zero} n_{u,id_t} (token v is met n_uv times, each
-  time counting n_uv): integer counters (exact: n_uv ≤ T; on the CPU int16
-  where T allows, which halves the U·vocab memset: 4.0 → 2.6 ms at 1024
-  units of a 10k vocabulary), gathered back at the unit's own positions, summed
-  exactly. The bound Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of
-  non-zero positions)."""
+  time counting n_uv): integer counters (exact), gathered back at the
+  unit's own positions, summed exactly. Position 0 is counted apart —
+  n_uv = n'_uv + [id_0 = v], n' over positions 1..T−1 — so that the
+  counters need hold only T − 1 (:func:`_counter_dtype`: uint8 for T up to
+  256, where a unit of one repeated token has n = T = 256). The bound
+  Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of non-zero positions)."""
   num_units, length = tf.shape(ids)[0], ids.shape[1]
   keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
           + tf.range(num_units)[:, None] * vocab_size)
-  small = length is not None and length < 2 ** 15
-  # int16 only where it was measured: on a GPU without XLA TensorFlow may
-  # lack an int16 segment-sum kernel (the op would move to the CPU).
-  narrow = small and not tf.config.list_logical_devices("GPU")
+  later = nonzero & (tf.range(tf.shape(ids)[1]) > 0)[None]
   counts = tf.math.unsorted_segment_sum(
-      tf.cast(nonzero, tf.int16 if narrow else tf.int32), keys,
+      tf.cast(later, _counter_dtype(length, -1)), keys,
       num_units * vocab_size)
-  mine = tf.where(nonzero, tf.cast(tf.gather(counts, keys), tf.int32), 0)
+  first = nonzero[:, :1] & tf.equal(keys, keys[:, :1])
+  mine = tf.where(nonzero, tf.cast(tf.gather(counts, keys), tf.int32)
+                  + tf.cast(first, tf.int32), 0)
   # Σ_t n ≤ T² < 2³¹ (int32: exact, one float64 pass fewer).
+  small = length is not None and length < 2 ** 15
   pairs = (tf.cast(tf.reduce_sum(mine, 1), tf.float64) if small else
            tf.reduce_sum(tf.cast(mine, tf.float64), 1))
   g_sq = sum_squares(g)
