@@ -135,6 +135,29 @@ def test_negative_v_counted_only_where_logged():
           "dp_negative_v_fraction" in _expected_diagnostics(cls)), cls
 
 
+def test_moment_statistics_agree_with_and_without_xla():
+  """The diagnostics' reductions carry an XLA hint (core.xla_hints: an
+  optimization barrier, traced only under jit_compile on a CPU): the same
+  counts exactly, and Σ v̂/Φ to float32 rounding, eagerly, in a graph and
+  under XLA, on a kernel large enough for XLA's tree rewrite."""
+  from tf_dpadambc.core import diagnostics  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  v_hat = tf.constant(rng.normal(1.0, 1.0, (784, 128)).astype(np.float32))
+  stats = lambda v: tuple(diagnostics.moment_statistics(v, 0.7, floor=0.2))
+  want = [float(t) for t in stats(v_hat)]
+  assert want[2] == float(np.sum(v_hat.numpy() < 0)) > 0
+  assert want[1] == float(np.sum(v_hat.numpy() - 0.7 < 0.2))
+  for jit in (False, True):
+    fn = tf.function(stats, jit_compile=jit)
+    got = [float(t) for t in fn(v_hat)]
+    assert got[1:] == want[1:]
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    barriers = [op for op in fn.get_concrete_function(v_hat).graph
+                .get_operations() if op.type == "XlaOptimizationBarrier"]
+    assert bool(barriers) == (jit and not tf.config.list_logical_devices(
+        "GPU")), jit
+
+
 # ----------------------------------------------------- 5. config round trip
 @pytest.mark.parametrize("cls, extra", ALL, ids=lambda a: getattr(
     a, "__name__", ""))

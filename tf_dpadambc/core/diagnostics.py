@@ -9,6 +9,8 @@ import collections
 
 import tensorflow as tf
 
+from tf_dpadambc.core import xla_hints
+
 # The names of the diagnostics, written here only: the optimizers declare
 # theirs (traits.EstimatorTraits.diagnostics), the train step logs them.
 V_OVER_PHI = "dp_v_over_phi"
@@ -33,17 +35,20 @@ def moment_statistics(v_hat, phi, floor=None, negative=True):
   whose v̂ is an average of squares, never < 0: one pass fewer a step)."""
   v_hat = tf.cast(v_hat, tf.float32)
   phi = tf.cast(phi, tf.float32)
+  # Each reduction runs as one fused loop (xla_hints.whole_reduction): as
+  # XLA's CPU tree of blocks, 0.3 ms each on a 784 × 128 kernel.
+  total = lambda t: tf.reduce_sum(xla_hints.whole_reduction(t))
   if phi.shape.rank == 0:
     # One Φ for the tensor (every optimizer here): Σ v̂/Φ = (Σ v̂)/Φ, without
     # a full-size quotient on every step (≈5% of an embedding-bag step).
-    ratio_sum = tf.reduce_sum(v_hat) / tf.maximum(phi, 1e-38)
+    ratio_sum = total(v_hat) / tf.maximum(phi, 1e-38)
   else:
-    ratio_sum = tf.reduce_sum(v_hat / tf.maximum(phi, 1e-38))
-  clamped = (tf.reduce_sum(tf.cast(v_hat - phi < floor, tf.float32))
+    ratio_sum = total(v_hat / tf.maximum(phi, 1e-38))
+  clamped = (total(tf.cast(v_hat - phi < floor, tf.float32))
              if floor is not None else tf.constant(0.0))
   return MomentStatistics(
       ratio_sum, clamped,
-      (tf.reduce_sum(tf.cast(v_hat < 0, tf.float32)) if negative
+      (total(tf.cast(v_hat < 0, tf.float32)) if negative
        else tf.constant(0.0)),
       tf.cast(tf.size(v_hat), tf.float32))
 
