@@ -883,6 +883,49 @@ def test_chunked_float32_sum_within_its_rounding_bound(jit, max_units):
   assert np.any(got != exact.astype(np.float32)) or np.all(bound == 0)
 
 
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 3e38])
+@pytest.mark.parametrize("max_units", [1771, 77])
+def test_chunked_sum_drops_zero_weight_units_whatever_their_inputs(
+    max_units, bad, static):
+  """chunked_linear_grad masks only w⊙δ, not a: a zero-weight unit whose a
+  holds NaN, ±inf or a huge value still adds exactly 0 — a non-finite sum
+  is recomputed with a masked (in chunks, in a loop), which stays within
+  the rounding bound of the exact sum of the other units. With finite a,
+  zeroing the dropped units' a first changes nothing, bit for bit: their
+  rows add ±0. One chunk (L = 1771) or three (L = 77), U static or not
+  (then chunks of FLOAT32_CHUNK, padded), eagerly and under XLA."""
+  rng = np.random.default_rng(29)
+  units, p, d = 77, 33, 9
+  a = rng.normal(size=(units, 1, p)).astype(np.float32)
+  delta = rng.normal(size=(units, 1, d)).astype(np.float32)
+  weights = rng.uniform(0.1, 1.0, units).astype(np.float32)
+  dropped = [0, 40, 76]  # first, middle and last (padded) chunk
+  weights[dropped] = 0.0
+  delta[40, 0, 3] = np.nan  # a dropped δ too
+  bad_a = a.copy()
+  bad_a[dropped, 0, 5] = bad
+  clean_a = a.copy()
+  clean_a[dropped] = 0.0
+  spec = [tf.TensorSpec([units if static else None, 1, p], tf.float32),
+          tf.TensorSpec([units if static else None, 1, d], tf.float32),
+          tf.TensorSpec([units if static else None], tf.float32)]
+  w64 = weights.astype(np.float64)
+  terms = np.einsum("u,up,ud->upd", w64, clean_a[:, 0].astype(np.float64),
+                    np.nan_to_num(delta[:, 0]).astype(np.float64))
+  for jit in (False, True):
+    fn = tf.function(lambda *t: ghost.chunked_linear_grad(*t, max_units),
+                     input_signature=spec, jit_compile=jit)
+    got = fn(bad_a, delta, weights).numpy()
+    clean = fn(clean_a, delta, weights).numpy()
+    assert np.all(np.isfinite(got)), (jit, bad)
+    chunk = ghost.float32_chunk(units if static else None, max_units)
+    bound = ghost.float32_rounding(chunk) * np.abs(terms).sum(0)
+    assert np.all(np.abs(got - terms.sum(0)) <= bound)
+    if np.isfinite(bad):
+      np.testing.assert_array_equal(got, clean)
+
+
 @pytest.mark.parametrize("max_units", [1, 2, 37, 1771, 5000])
 def test_float32_chunks_stay_within_the_shrinks_rounding(max_units):
   """For every batch of U ≤ L units the chunk K = float32_chunk(U, L)
