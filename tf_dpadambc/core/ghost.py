@@ -505,9 +505,10 @@ def _segments(ids, delta, vocab_size):
 def _segments_by_first(ids, delta, vocab_size):
   """:func:`_segments` without a sort: a scatter-min of the positions into
   U·vocab counters (:func:`_counter_dtype`) gives each position the first
-  position of its id in its unit, and δ is summed into that position's slot (the slots of
-  later repeats stay zero). XLA's comparator sort took 15 ms for 256 units
-  of 256 ids on one CPU core; this, well under a millisecond."""
+  position of its id in its unit, and δ is summed into that position's
+  slot (the slots of later repeats stay zero). XLA's comparator sort took
+  15 ms for 256 units of 256 ids on one CPU core; this, well under a
+  millisecond."""
   delta = tf.convert_to_tensor(delta)
   num_units, length = tf.shape(ids)[0], tf.shape(ids)[1]
   token = tf.cast(_rows_of(ids, vocab_size), tf.int32)
