@@ -180,3 +180,43 @@ def test_a_list_of_clip_norms_means_per_layer_clipping():
     per_unit = g.numpy() * (bound / np.linalg.norm(g.numpy(), axis=1,
                                                    keepdims=True))
     np.testing.assert_allclose(total.numpy(), per_unit.sum(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags,refused", [
+    ("--xla_cpu_enable_fast_math=true --xla_cpu_fast_math_honor_nans=false",
+     True),
+    ("--xla_cpu_enable_fast_math --xla_cpu_fast_math_honor_infs=0", True),
+    ("--xla_cpu_enable_fast_math=true", False),  # NaN and inf still honored
+    ("--xla_cpu_fast_math_honor_nans=false", False),  # without fast math
+    ("--xla_dump_to=/tmp/x", False),
+    ("", False)])
+def test_xla_flags_that_may_assume_finite_values_are_refused(flags, refused):
+  """An XLA told it may assume no NaN or infinity could fold the checks
+  that give a non-finite unit a clip factor of 0 (and the float32 sums'
+  NaN test): such XLA_FLAGS are refused, with a message naming them;
+  other flags pass."""
+  from tf_dpadambc.core import xla_hints  # pylint: disable=import-outside-toplevel
+  if refused:
+    with pytest.raises(RuntimeError, match="honor"):
+      xla_hints.check_ieee_floats(flags)
+  else:
+    xla_hints.check_ieee_floats(flags)
+
+
+def test_clipping_checks_the_xla_flags_when_traced(monkeypatch):
+  """clip_factors and clip_per_unit (every clipping path takes one) read
+  XLA_FLAGS and refuse fast math without NaN; with the flags unset they
+  clip, and a non-finite unit gets a factor of 0."""
+  norms = tf.constant([1.0, float("nan"), 4.0])
+  grads = [tf.constant([[3.0, 4.0], [float("inf"), 0.0]])]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true "
+                     "--xla_cpu_fast_math_honor_nans=false")
+  with pytest.raises(RuntimeError, match="honor_nans"):
+    clipping.clip_factors(norms, 2.0)
+  with pytest.raises(RuntimeError, match="honor_nans"):
+    clipping.clip_per_unit(grads, 2.0)
+  monkeypatch.delenv("XLA_FLAGS")
+  np.testing.assert_allclose(clipping.clip_factors(norms, 2.0).numpy(),
+                             [1.0, 0.0, 0.5])
+  clipped = clipping.clip_per_unit(grads, 2.0)[0][0].numpy()
+  np.testing.assert_allclose(clipped, [[1.2, 1.6], [0.0, 0.0]])

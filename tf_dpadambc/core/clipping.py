@@ -28,6 +28,7 @@ import math
 import tensorflow as tf
 
 from tf_dpadambc.core import per_example
+from tf_dpadambc.core import xla_hints
 
 ClippedSum = collections.namedtuple(
     "ClippedSum",
@@ -190,7 +191,10 @@ def as_spec(clip):
 
 
 def clip_factors(norms, l2_norm_clip, automatic_gamma=None):
-  """c_u = min(1, C/‖g_u‖) (or C/(‖g_u‖+γ), automatic), 0 where not finite."""
+  """c_u = min(1, C/‖g_u‖) (or C/(‖g_u‖+γ), automatic), 0 where not finite
+  (an XLA that may assume values finite is refused:
+  ``xla_hints.check_ieee_floats``)."""
+  xla_hints.check_ieee_floats()
   norms = tf.convert_to_tensor(norms)
   clip = tf.cast(l2_norm_clip, norms.dtype)
   finite = tf.math.is_finite(norms)
@@ -247,6 +251,7 @@ def clip_per_unit(per_unit_grads, l2_norm_clip, automatic_gamma=None):
   non-finite units (``ok`` False) come back as exact zeros.
   ``automatic_gamma``: see :class:`ClipSpec`.
   """
+  xla_hints.check_ieee_floats()
   scale, ratio, ok = _scaled_norms(per_unit_grads)
   clip = tf.cast(l2_norm_clip, tf.float64)
   # g·min(1, C/(s·r)) = (g/s)·min(s, C/r): no overflowing norm and no
