@@ -220,3 +220,20 @@ def test_clipping_checks_the_xla_flags_when_traced(monkeypatch):
                              [1.0, 0.0, 0.5])
   clipped = clipping.clip_per_unit(grads, 2.0)[0][0].numpy()
   np.testing.assert_allclose(clipped, [[1.2, 1.6], [0.0, 0.0]])
+
+
+def test_automatic_gamma_is_not_rounded_through_float32():
+  """γ given as a Python number reaches the float64 factors directly: a γ
+  below float32's range (1e-40) had become 0, and a zero gradient's factor
+  C/γ infinite (then 0·inf = NaN in its share of the sum). The optimizers
+  refuse γ < 1e-20, where C/γ could leave float32's range."""
+  import tf_dpadambc as dp  # pylint: disable=import-outside-toplevel
+  norms = tf.constant([0.0, 2.0], tf.float64)
+  factors = clipping.clip_factors(norms, 1.0, automatic_gamma=1e-40).numpy()
+  np.testing.assert_allclose(factors, [1e40, 0.5])
+  clipped = clipping.clip_per_unit(
+      [tf.constant([[0.0, 0.0], [0.0, 2.0]])], 1.0, automatic_gamma=1e-40)[0]
+  np.testing.assert_array_equal(clipped[0].numpy(), [[0.0, 0.0], [0.0, 1.0]])
+  with pytest.raises(ValueError, match="automatic_gamma must be"):
+    dp.DPAdamBC(1.0, 1.0, clipping="automatic", automatic_gamma=1e-25)
+  dp.DPAdamBC(1.0, 1.0, clipping="automatic", automatic_gamma=1e-20)

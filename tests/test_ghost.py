@@ -926,6 +926,61 @@ def test_chunked_sum_drops_zero_weight_units_whatever_their_inputs(
       np.testing.assert_array_equal(got, clean)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_chunked_sum_recomputes_what_overflows_float32(jit):
+  """A clip factor past float32's range (automatic clipping's C/γ for a
+  unit whose gradient is 0: 5e39 here) or a w_u·δ_u past it turns the
+  float32 product into inf or NaN; the sum is then recomputed in float64
+  and matches the float64 reference, instead of a NaN release decided by
+  one unit."""
+  rng = np.random.default_rng(31)
+  units, p, d = 40, 32, 8
+  a = rng.normal(size=(units, 1, p)).astype(np.float32)
+  delta = rng.normal(size=(units, 1, d)).astype(np.float32)
+  weights = rng.uniform(0.1, 1.0, units)
+  weights[3], delta[3] = 5e39, 0.0  # a zero gradient, factor C/γ
+  weights[7], a[7], delta[7] = 5e39, 1e-30, 1e-9  # w·δ overflows float32
+  fn = tf.function(lambda *t: ghost.chunked_linear_grad(*t, 1771),
+                   jit_compile=jit)
+  got = fn(tf.constant(a), tf.constant(delta),
+           tf.constant(weights, tf.float64)).numpy()
+  want = np.einsum("u,up,ud->pd", weights, a[:, 0].astype(np.float64),
+                   delta[:, 0].astype(np.float64))
+  assert np.all(np.isfinite(got))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_automatic_clipping_with_a_tiny_gamma_stays_finite():
+  """End to end: automatic clipping with γ = 2e-38 (below float32's normal
+  range; the optimizers refuse γ < 1e-20, private_gradient_sum takes any
+  ClipSpec) and one example of sample weight 0, whose factor C/γ = 5e39:
+  the Dense kernel's book-kept sum is finite and equals the sum of the
+  per-example gradients clipped at C' (the float32 sums' shrunk C)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(8, 256)).astype(np.float32)
+  y = rng.normal(size=(8, 128)).astype(np.float32)
+  sw = np.ones(8, np.float32)
+  sw[0] = 0.0
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(128)])
+  model.compile(loss="mse")
+  spec = clipping.ClipSpec(100.0, automatic_gamma=2e-38)
+  result = tf.function(lambda: training.private_gradient_sum(
+      model, x, y, sw, spec, None, "ghost"), jit_compile=True)()[0]
+  kernel = np.asarray(result.grads[0])
+  assert np.all(np.isfinite(kernel))
+  per_unit = training.per_unit_gradients(model, x, y, sw)[0]
+  norms = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)),
+                             axis=tuple(range(1, np.ndim(g))))
+                      for g in per_unit))
+  shrink = float(ghost.float32_clip_shrink(ghost.float32_max_units(
+      1, 256, 128, tf.float32)))  # the float32 sums clip at C' = C/shrink
+  factors = 100.0 / shrink / (norms + 2e-38)
+  want = np.einsum("u,upd->pd", factors[1:],
+                   np.asarray(per_unit[0], np.float64)[1:])
+  np.testing.assert_allclose(kernel, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("max_units", [1, 2, 37, 1771, 5000])
 def test_float32_chunks_stay_within_the_shrinks_rounding(max_units):
   """For every batch of U ≤ L units the chunk K = float32_chunk(U, L)

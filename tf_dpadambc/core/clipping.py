@@ -190,6 +190,15 @@ def as_spec(clip):
   return ClipSpec(clip)
 
 
+def _as(value, dtype):
+  """``value`` in ``dtype``, a Python number converted directly (through
+  float32, as ``tf.cast`` of a number goes, a γ below 1.2e-38 became 0 and
+  a zero gradient's factor C/γ infinite)."""
+  if isinstance(value, (int, float)):
+    return tf.constant(value, dtype)
+  return tf.cast(value, dtype)
+
+
 def clip_factors(norms, l2_norm_clip, automatic_gamma=None):
   """c_u = min(1, C/‖g_u‖) (or C/(‖g_u‖+γ), automatic), 0 where not finite
   (an XLA that may assume values finite is refused:
@@ -202,7 +211,7 @@ def clip_factors(norms, l2_norm_clip, automatic_gamma=None):
   if automatic_gamma is None:
     factors = tf.minimum(tf.ones_like(safe), clip / tf.maximum(safe, 1e-30))
   else:
-    factors = clip / (safe + tf.cast(automatic_gamma, norms.dtype))
+    factors = clip / (safe + _as(automatic_gamma, norms.dtype))
   return tf.where(finite, factors, tf.zeros_like(norms))
 
 
@@ -259,7 +268,7 @@ def clip_per_unit(per_unit_grads, l2_norm_clip, automatic_gamma=None):
   if automatic_gamma is None:
     bounded_scale = tf.minimum(scale, clip / tf.maximum(ratio, 1e-300))
   else:  # g·C/(s·r + γ) = (g/s)·C/(r + γ/s)
-    bounded_scale = clip / (ratio + tf.cast(automatic_gamma, tf.float64)
+    bounded_scale = clip / (ratio + _as(automatic_gamma, tf.float64)
                             / scale)
   factors = tf.where(ok, bounded_scale, tf.zeros_like(scale))
   # multiply_no_nan: 0 · inf and 0 · nan are 0, so a zeroed unit is exactly 0.

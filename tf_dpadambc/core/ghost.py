@@ -376,19 +376,23 @@ def chunked_linear_grad(a, delta, weights, max_units):
   row of the sum where it is not (0·inf and 0·NaN are NaN, and NaN absorbs
   every addition, in any order). A sum with every entry finite is the
   masked one (up to the sign of zeros); one with a non-finite entry is
-  recomputed with a masked, chunk by chunk in a loop (it holds one small
-  chunk's copy, not U rows, and runs only for such batches)."""
+  recomputed in float64 with a masked, chunk by chunk in a loop (it holds
+  one small chunk's copy, not U rows, and runs only for such batches). An
+  overflow in float32 (a factor w_u past its range: automatic clipping's
+  C/γ for a unit whose gradient is 0; or w_u·δ_u) leaves inf or NaN in the
+  sum too, and takes the same float64 recomputation."""
   keep = weights != 0
   chunk = float32_chunk(a.shape[0], max_units)
-  a = a[:, 0]
-  y = masked(delta[:, 0], keep) * tf.cast(weights, delta.dtype)[:, None]
+  a, delta = a[:, 0], delta[:, 0]
+  y = masked(delta, keep) * tf.cast(weights, delta.dtype)[:, None]
   total = _chunk_sums(a, y, chunk)
   finite = tf.reduce_all(tf.math.is_finite(total))
-  # The recomputation's chunks are at most FLOAT32_CHUNK: fewer roundings
-  # (γ_K grows with K), and one small chunk's copy in memory at a time.
+  # The recomputation's chunks are at most FLOAT32_CHUNK: one small chunk's
+  # copy in memory at a time (and float64: no rounding beyond γ).
+  weights64 = tf.cast(weights, tf.float64)
   return tf.cast(tf.cond(finite, lambda: total,
                          lambda: _masked_chunk_sums(
-                             a, y, keep, min(chunk, FLOAT32_CHUNK))),
+                             a, delta, weights64, min(chunk, FLOAT32_CHUNK))),
                  a.dtype)
 
 
@@ -406,23 +410,26 @@ def _chunk_sums(a, y, chunk):
   return tf.reduce_sum(tf.cast(partial, tf.float64), 0)
 
 
-def _masked_chunk_sums(a, y, keep, chunk):
-  """:func:`_chunk_sums` with the rows of a where ``keep`` is False zeroed,
-  one chunk at a time (a while loop: each chunk's rows gathered, masked,
-  multiplied and added in float64)."""
+def _masked_chunk_sums(a, delta, weights, chunk):
+  """Σ_u w_u a_u δ_uᵀ over the units with w_u ≠ 0, in float64 chunk by
+  chunk (a while loop: each chunk's rows gathered, masked, cast, multiplied
+  and added): [U, p], [U, d], [U] -> [p, d]. float64 also holds what
+  overflowed float32 in the fast path: a factor w_u above float32's range
+  (automatic clipping's C/γ for a unit with a zero gradient) or w_u·δ_u."""
   num_units = tf.shape(a)[0]
   count = (num_units + chunk - 1) // chunk
   rows = lambda c: tf.range(chunk) + c * chunk
-  inside = lambda c: rows(c) < num_units
   pick = lambda t, c: tf.gather(t, tf.minimum(rows(c), num_units - 1))
 
   def body(c, total):
-    use = inside(c) & pick(keep, c)
-    part = tf.matmul(masked(pick(a, c), use), masked(pick(y, c), use),
-                     transpose_a=True)
-    return c + 1, total + tf.cast(part, tf.float64)
+    w = pick(weights, c)
+    use = (rows(c) < num_units) & (w != 0)
+    a_c = masked(tf.cast(pick(a, c), tf.float64), use)
+    y_c = masked(tf.cast(pick(delta, c), tf.float64), use) * tf.where(
+        use, w, 0.0)[:, None]
+    return c + 1, total + tf.matmul(a_c, y_c, transpose_a=True)
 
-  zeros = tf.zeros([a.shape[-1], y.shape[-1]], tf.float64)
+  zeros = tf.zeros([a.shape[-1], delta.shape[-1]], tf.float64)
   return tf.while_loop(lambda c, _: c < count, body,
                        (tf.constant(0), zeros))[1]
 

@@ -15,6 +15,9 @@ from tf_dpadambc import queries
 from tf_dpadambc._checks import check_count
 from tf_dpadambc._checks import check_positive
 
+# The smallest automatic clipping γ accepted (see validated).
+MIN_AUTOMATIC_GAMMA = 1e-20
+
 ARGS_DOC = """  Args:
     l2_norm_clip: C > 0, the L2 bound on each unit's (example's or
       microbatch's) gradient; or a list with one bound C_k per trainable
@@ -40,7 +43,7 @@ ARGS_DOC = """  Args:
     clipping: ``"standard"`` (g·min(1, C/‖g‖)) or ``"automatic"``
       (g·C/(‖g‖+γ), Bu et al., NeurIPS 2023: every unit is normalized, so C
       only scales the step; its sensitivity is still C).
-    automatic_gamma: γ > 0 of automatic clipping.
+    automatic_gamma: γ ≥ 1e-20 of automatic clipping.
     noise: the noise mechanism (``tf_dpadambc.mechanisms``):
       ``IndependentNoise()`` (the default, DP-SGD's) or
       ``CorrelatedNoise(strategy, steps, ...)`` (DP-MF: noise correlated
@@ -112,6 +115,11 @@ def validated(cls, l2_norm_clip, noise_multiplier, num_microbatches,
     raise ValueError('clipping must be "standard" or "automatic"; got '
                      f"{clipping!r}.")
   automatic_gamma = check_positive("automatic_gamma", automatic_gamma)
+  if automatic_gamma < MIN_AUTOMATIC_GAMMA:
+    # C/γ is the factor of an example whose gradient is 0: past float32's
+    # range below this (for C up to 1e18), and needlessly extreme anyway.
+    raise ValueError(f"automatic_gamma must be ≥ {MIN_AUTOMATIC_GAMMA:g} "
+                     f"(Bu et al. use 0.01); got {automatic_gamma!r}.")
   num_microbatches = check_count("num_microbatches", num_microbatches)
   accumulation_steps = check_count(
       "gradient_accumulation_steps", gradient_accumulation_steps) or 1
