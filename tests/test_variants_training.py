@@ -381,3 +381,20 @@ def test_learning_rate_is_the_third_positional_argument_of_every_optimizer():
       warnings.simplefilter("ignore")
       opt = cls(1.0, 1.0, 0.0123)
     assert float(opt.learning_rate) == pytest.approx(0.0123), name
+
+
+def test_xla_hint_passes_gradients():
+  """core.xla_hints.opaque is an identity for gradients too, under XLA
+  (where it is an optimization barrier, which has no registered gradient)
+  and outside it."""
+  from tf_dpadambc.core import xla_hints  # pylint: disable=import-outside-toplevel
+  x = tf.constant([1.0, -2.0, 3.0])
+
+  def grad(x):
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tf.reduce_sum(tf.square(xla_hints.opaque(x)))
+    return tape.gradient(y, x)
+  for jit in (False, True):
+    np.testing.assert_allclose(tf.function(grad, jit_compile=jit)(x).numpy(),
+                               [2.0, -4.0, 6.0])

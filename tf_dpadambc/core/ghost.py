@@ -285,7 +285,14 @@ def float32_rounding(chunk=None):
   float32: K + 3 roundings of u = 2⁻²⁴ (Higham's γ_n = nu/(1 − nu)); two
   more for the float64 norms and the float64 sum of the chunks (each
   ≪ 2⁻²⁴ relative). The float64 path of :func:`linear_grad` is covered by
-  the same γ. K defaults to FLOAT32_CHUNK."""
+  the same γ. K defaults to FLOAT32_CHUNK.
+
+  Relative rounding leaves out underflow: TensorFlow's CPU kernels and
+  XLA flush float32 results below 2⁻¹²⁶ to zero, which only shrinks a term
+  (a clip factor of 7.6e-46 cast to float32 becomes 0, and its unit adds
+  nothing); gradual underflow would round such a factor up to 1.4e-45, and
+  the unit would add 1.84·C'. Overflow takes :func:`chunked_linear_grad`'s
+  float64 recomputation."""
   n = (FLOAT32_CHUNK if chunk is None else chunk) + 5
   return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
 

@@ -39,11 +39,17 @@ def _compiling_for_cpu():
 
 def opaque(t):
   """``t``, opaque to XLA's rewrites of its consumers (see the module
-  docstring): an identity. A reduction of it may add its floats in
-  another order than XLA's tree would."""
+  docstring): an identity, also for gradients. A reduction of it may add
+  its floats in another order than XLA's tree would."""
   if not _compiling_for_cpu():
     return t
-  return _xla.optimization_barrier(t)[0]
+  return _barrier(t)
+
+
+@tf.custom_gradient
+def _barrier(t):
+  # XlaOptimizationBarrier has no registered gradient.
+  return _xla.optimization_barrier(t)[0], lambda upstream: upstream
 
 
 def _flag_values(flags):
