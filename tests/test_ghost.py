@@ -929,10 +929,11 @@ def test_chunked_sum_drops_zero_weight_units_whatever_their_inputs(
 @pytest.mark.parametrize("jit", [False, True])
 def test_chunked_sum_recomputes_what_overflows_float32(jit):
   """A clip factor past float32's range (automatic clipping's C/γ for a
-  unit whose gradient is 0: 5e39 here) or a w_u·δ_u past it turns the
-  float32 product into inf or NaN; the sum is then recomputed in float64
-  and matches the float64 reference, instead of a NaN release decided by
-  one unit."""
+  unit whose gradient is 0: 5e39 here) or a w_u·δ_u past it (also with an
+  ordinary factor, for an example of zero inputs and a huge output
+  gradient) turns the float32 product into inf or NaN; the sum is then
+  recomputed in float64 and matches the float64 reference, instead of a
+  NaN release decided by one unit."""
   rng = np.random.default_rng(31)
   units, p, d = 40, 32, 8
   a = rng.normal(size=(units, 1, p)).astype(np.float32)
@@ -940,6 +941,9 @@ def test_chunked_sum_recomputes_what_overflows_float32(jit):
   weights = rng.uniform(0.1, 1.0, units)
   weights[3], delta[3] = 5e39, 0.0  # a zero gradient, factor C/γ
   weights[7], a[7], delta[7] = 5e39, 1e-30, 1e-9  # w·δ overflows float32
+  # An input of zeros and a huge output gradient (automatic clipping's
+  # factor C/(0 + γ) = 1e4): w·δ = 1e42 overflows, 0·inf would be NaN.
+  weights[9], a[9], delta[9] = 1e4, 0.0, 1e38
   fn = tf.function(lambda *t: ghost.chunked_linear_grad(*t, 1771),
                    jit_compile=jit)
   got = fn(tf.constant(a), tf.constant(delta),
