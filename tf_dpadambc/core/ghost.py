@@ -291,8 +291,8 @@ def float32_rounding(chunk=None):
   XLA flush float32 results below 2⁻¹²⁶ to zero, which only shrinks a term
   (a clip factor of 7.6e-46 cast to float32 becomes 0, and its unit adds
   nothing); gradual underflow would round such a factor up to 1.4e-45, and
-  the unit would add 1.84·C'. Overflow takes :func:`chunked_linear_grad`'s
-  float64 recomputation."""
+  the unit would add 1.84·C'. Overflow of w_u·δ_u is saturated
+  (:func:`_saturated`), which also only shrinks a term."""
   n = (FLOAT32_CHUNK if chunk is None else chunk) + 5
   return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
 
@@ -383,24 +383,33 @@ def chunked_linear_grad(a, delta, weights, max_units):
   row of the sum where it is not (0·inf and 0·NaN are NaN, and NaN absorbs
   every addition, in any order). A sum with every entry finite is the
   masked one (up to the sign of zeros); one with a non-finite entry is
-  recomputed in float64 with a masked, chunk by chunk in a loop (it holds
-  one small chunk's copy, not U rows, and runs only for such batches). An
-  overflow in float32 (a factor w_u past its range: automatic clipping's
-  C/γ for a unit whose gradient is 0; or w_u·δ_u) leaves inf or NaN in the
-  sum too, and takes the same float64 recomputation."""
+  recomputed with a masked, chunk by chunk in a loop (it holds one small
+  chunk's copy, not U rows, and runs only for such batches). w⊙δ is formed
+  in float64 and saturated to float32's range (:func:`_saturated`): an
+  overflow there would leave inf, and NaN in every entry."""
   keep = weights != 0
   chunk = float32_chunk(a.shape[0], max_units)
-  a, delta = a[:, 0], delta[:, 0]
-  y = masked(delta, keep) * tf.cast(weights, delta.dtype)[:, None]
+  a = a[:, 0]
+  y = _saturated(masked(tf.cast(delta[:, 0], tf.float64), keep)
+                 * tf.cast(weights, tf.float64)[:, None], delta.dtype)
   total = _chunk_sums(a, y, chunk)
   finite = tf.reduce_all(tf.math.is_finite(total))
-  # The recomputation's chunks are at most FLOAT32_CHUNK: one small chunk's
-  # copy in memory at a time (and float64: no rounding beyond γ).
-  weights64 = tf.cast(weights, tf.float64)
+  # The recomputation's chunks are at most FLOAT32_CHUNK: fewer roundings
+  # (γ_K grows with K), and one small chunk's copy in memory at a time.
   return tf.cast(tf.cond(finite, lambda: total,
                          lambda: _masked_chunk_sums(
-                             a, delta, weights64, min(chunk, FLOAT32_CHUNK))),
+                             a, y, keep, min(chunk, FLOAT32_CHUNK))),
                  a.dtype)
+
+
+def _saturated(t, dtype):
+  """float64 ``t`` in ``dtype``, held to its finite range: w_u·δ_u past
+  float32's (a factor C/γ of automatic clipping for a zero gradient, or an
+  example of zero inputs and a huge output gradient) would be inf, and
+  0·inf NaN in the whole sum. A kept unit's w_u·δ_u past the range has
+  ‖a_u‖ < C'/‖w_u δ_u‖, so the saturated row only shrinks its share."""
+  top = tf.constant(t.dtype.max if dtype == t.dtype else dtype.max, t.dtype)
+  return tf.cast(tf.clip_by_value(t, -top, top), dtype)
 
 
 def _chunk_sums(a, y, chunk):
@@ -417,26 +426,23 @@ def _chunk_sums(a, y, chunk):
   return tf.reduce_sum(tf.cast(partial, tf.float64), 0)
 
 
-def _masked_chunk_sums(a, delta, weights, chunk):
-  """Σ_u w_u a_u δ_uᵀ over the units with w_u ≠ 0, in float64 chunk by
-  chunk (a while loop: each chunk's rows gathered, masked, cast, multiplied
-  and added): [U, p], [U, d], [U] -> [p, d]. float64 also holds what
-  overflowed float32 in the fast path: a factor w_u above float32's range
-  (automatic clipping's C/γ for a unit with a zero gradient) or w_u·δ_u."""
+def _masked_chunk_sums(a, y, keep, chunk):
+  """:func:`_chunk_sums` with the rows of a where ``keep`` is False zeroed,
+  one chunk at a time (a while loop: each chunk's rows gathered, masked,
+  multiplied and added in float64)."""
   num_units = tf.shape(a)[0]
   count = (num_units + chunk - 1) // chunk
   rows = lambda c: tf.range(chunk) + c * chunk
+  inside = lambda c: rows(c) < num_units
   pick = lambda t, c: tf.gather(t, tf.minimum(rows(c), num_units - 1))
 
   def body(c, total):
-    w = pick(weights, c)
-    use = (rows(c) < num_units) & (w != 0)
-    a_c = masked(tf.cast(pick(a, c), tf.float64), use)
-    y_c = masked(tf.cast(pick(delta, c), tf.float64), use) * tf.where(
-        use, w, 0.0)[:, None]
-    return c + 1, total + tf.matmul(a_c, y_c, transpose_a=True)
+    use = inside(c) & pick(keep, c)
+    part = tf.matmul(masked(pick(a, c), use), masked(pick(y, c), use),
+                     transpose_a=True)
+    return c + 1, total + tf.cast(part, tf.float64)
 
-  zeros = tf.zeros([a.shape[-1], delta.shape[-1]], tf.float64)
+  zeros = tf.zeros([a.shape[-1], y.shape[-1]], tf.float64)
   return tf.while_loop(lambda c, _: c < count, body,
                        (tf.constant(0), zeros))[1]
 
