@@ -931,9 +931,9 @@ def test_chunked_sum_recomputes_what_overflows_float32(jit):
   """A clip factor past float32's range (automatic clipping's C/γ for a
   unit whose gradient is 0: 5e39 here) or a w_u·δ_u past it (also with an
   ordinary factor, for an example of zero inputs and a huge output
-  gradient) turns the float32 product into inf or NaN; the sum is then
-  recomputed in float64 and matches the float64 reference, instead of a
-  NaN release decided by one unit."""
+  gradient) would turn the float32 product into inf or NaN: w⊙δ is formed
+  in float64 and saturated to float32's range, and the sum matches the
+  float64 reference, instead of a NaN release decided by one unit."""
   rng = np.random.default_rng(31)
   units, p, d = 40, 32, 8
   a = rng.normal(size=(units, 1, p)).astype(np.float32)
