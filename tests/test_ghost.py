@@ -1106,6 +1106,136 @@ def test_float32_shrink_is_the_same_for_neighbouring_batch_sizes(monkeypatch):
     assert step <= clip, (units, step / clip)
 
 
+def _count_at_first(ids, nonzero):
+  """NumPy n [U, T]: n_uv at the first counted position of each id in its
+  unit, 0 elsewhere."""
+  counts = np.zeros(ids.shape, np.int64)
+  for u in range(ids.shape[0]):
+    first = {}
+    for t in range(ids.shape[1]):
+      if nonzero[u, t]:
+        first.setdefault(ids[u, t], t)
+        counts[u, first[ids[u, t]]] += 1
+  return counts
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("max_units", [1771, 77])
+def test_pooled_embedding_float32_sum_within_its_rounding_bound(jit,
+                                                                max_units):
+  """pooled_embedding_grad (one float32 term n_uv·w_u·g_u per unit and id,
+  chunks of K units summed in float64) differs from the exact
+  Σ_u w_u n_uv g_u by at most γ_K·Σ_u |w_u n_uv g_u| elementwise, K the
+  float32_chunk it picks: one chunk of 77 units (L = 1771) or 3 of 26
+  (L = 77), on rows spanning 30 binades whose units cancel each other, one
+  token in every unit (K terms in its entries), ids repeated in a unit and
+  out of range (clamped). The counts at first positions match a count in
+  NumPy, with and without padding positions; a zero-weight unit adds 0."""
+  rng = np.random.default_rng(29)
+  units, length, vocab, dim = 77, 9, 13, 5
+  ids = rng.integers(0, vocab, (units, length))
+  ids[:, 4] = 7  # in every unit
+  ids[3, :6] = 2  # repeated
+  ids[5, 1], ids[6, 2] = vocab + 4, -3  # out of range: clamped
+  rows = rng.normal(size=(units, dim)) * 2.0 ** rng.integers(-15, 15,
+                                                            (units, dim))
+  rows[1::2] = -rows[0::2][:units // 2]  # pairs of units that cancel
+  ids[1::2] = ids[0::2][:units // 2]
+  rows = rows.astype(np.float32)
+  weights = rng.uniform(0.1, 1.0, units)
+  weights[1::2] = weights[0::2][:units // 2]
+  weights[8] = 0.0
+  clamped = np.clip(ids, 0, vocab - 1)
+  every = np.ones(ids.shape, bool)
+  counts = tf.function(lambda i: ghost._first_counts(i, None, vocab),  # pylint: disable=protected-access
+                       jit_compile=jit)(tf.constant(ids)).numpy()
+  np.testing.assert_array_equal(counts, _count_at_first(clamped, every))
+  padded = rng.uniform(size=ids.shape) < 0.3
+  masked_counts = tf.function(
+      lambda i, n: ghost._first_counts(i, n, vocab),  # pylint: disable=protected-access
+      jit_compile=jit)(tf.constant(ids), tf.constant(~padded)).numpy()
+  np.testing.assert_array_equal(masked_counts,
+                                _count_at_first(clamped, ~padded))
+  chunk = ghost.float32_chunk(units, max_units)
+  assert chunk == {1771: 77, 77: 26}[max_units]
+  got = tf.function(
+      lambda i, g, n, w: ghost.pooled_embedding_grad(i, g, n, w, vocab,
+                                                     max_units),
+      jit_compile=jit)(tf.constant(ids), tf.constant(rows),
+                       tf.constant(counts.astype(np.int32)),
+                       tf.constant(weights)).numpy()
+  terms = np.zeros((units, vocab, dim))
+  for u in range(units):
+    np.add.at(terms[u], clamped[u], weights[u] * rows[u].astype(np.float64))
+  exact = terms.sum(0)
+  bound = ghost.float32_rounding(chunk) * np.abs(terms).sum(0)
+  assert np.all(np.abs(got - exact) <= bound)
+  assert np.any(got != exact.astype(np.float32))  # a float32 sum
+
+
+def test_pooled_embedding_float32_terms_saturate():
+  """A term past float32's range (a factor C/γ of automatic clipping on a
+  huge row) is held at the largest float32, never inf: inf − inf in the
+  table would be NaN in every step's release."""
+  ids = tf.constant([[1, 1], [1, 2]])
+  rows = tf.constant([[3e38, 1.0], [-3e38, 1.0]], tf.float32)
+  counts = tf.constant([[2, 0], [1, 1]], tf.int32)
+  weights = tf.constant([10.0, 10.0], tf.float64)
+  for jit in (False, True):
+    got = tf.function(lambda: ghost.pooled_embedding_grad(
+        ids, rows, counts, weights, 4, 100), jit_compile=jit)().numpy()
+    assert np.all(np.isfinite(got))
+    assert got[1, 0] == 0.0  # +max − max: each term only shrank
+
+
+def _embedding_bag(vocab, masked=False):
+  return keras.Sequential([
+      keras.Input((40,), dtype="int32"),
+      keras.layers.Embedding(vocab, 16, mask_zero=masked),
+      keras.layers.GlobalAveragePooling1D(),
+      keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("case", ["pooled", "padding mask", "too many units"])
+def test_embedding_float32_sum_clips_at_the_shrunk_norm(case, monkeypatch):
+  """An embedding whose table may take the float32 sum (2,048 × 16) clips
+  every unit at C/(1 + 2γL), L of the table alone, whether the sum takes
+  float32 (pooled rows) or float64 (a padding mask makes the rows differ;
+  more units than L): the sum equals the per-example reference clipped
+  there, and which sum ran is checked."""
+  if case == "too many units":
+    monkeypatch.setattr(ghost, "FLOAT32_MAX_SHRINK", 2.0 ** -14)
+  vocab = 2048
+  limit = ghost.embedding_float32_max_units(vocab, 16, tf.float32)
+  assert (limit < 40) == (case == "too many units") and limit > 0
+  model = _embedding_bag(vocab, masked=case == "padding mask")
+  rng = np.random.default_rng(31)
+  units, clip = 40, 0.01
+  x = rng.integers(1, vocab, (units, 40))  # vocab ≤ 4·T·d: pooled_lookup
+  x[:, 3] = 5  # a token in every unit
+  x[:, 7:12] = 9  # and repeated
+  if case == "padding mask":
+    x[:, 30:] = 0
+  y = rng.integers(0, 3, units)
+  shrink = float(ghost.float32_clip_shrink(limit))
+  assert shrink > 1.0 + 1e-5
+  result = ghost_sum(model, x, y, None, clipping.ClipSpec(clip), None,
+                     jit=False)
+  expected = reference(model, x, y, None, clipping.ClipSpec(clip / shrink),
+                       None)
+  assert int(expected.num_clipped) == units
+  assert_same(result, expected)
+  # Which sum ran: the float32 one, doubled, doubles the table's sum.
+  original = ghost.pooled_embedding_grad
+  monkeypatch.setattr(ghost, "pooled_embedding_grad",
+                      lambda *a: 2.0 * original(*a))
+  doubled = ghost_sum(model, x, y, None, clipping.ClipSpec(clip), None,
+                      jit=False)
+  ratio = np.asarray(doubled.grads[0]) / np.asarray(result.grads[0])
+  want = 2.0 if case == "pooled" else 1.0
+  np.testing.assert_allclose(ratio[np.isfinite(ratio)], want)
+
+
 class _CondDense(keras.layers.Layer):
   """A Dense called inside a tf.cond branch."""
 

@@ -35,9 +35,11 @@ def moment_statistics(v_hat, phi, floor=None, negative=True):
   whose v̂ is an average of squares, never < 0: one pass fewer a step)."""
   v_hat = tf.cast(v_hat, tf.float32)
   phi = tf.cast(phi, tf.float32)
-  # Each reduction runs as one fused loop (xla_hints.opaque): as XLA's
-  # CPU tree of blocks, 0.3 ms each on a 784 × 128 kernel.
-  total = lambda t: tf.reduce_sum(xla_hints.opaque(t))
+  # Each reduction runs as one fused loop over the flattened tensor
+  # (xla_hints.opaque): as XLA's CPU tree of blocks, 0.3 ms each on a
+  # 784 × 128 kernel; over the 2-D shape, 130 µs on a 10,000 × 16 table
+  # (an inner loop of 16), against 23 µs flattened.
+  total = lambda t: tf.reduce_sum(xla_hints.opaque(tf.reshape(t, [-1])))
   if phi.shape.rank == 0:
     # One Φ for the tensor (every optimizer here): Σ v̂/Φ = (Σ v̂)/Φ, without
     # a full-size quotient on every step (≈5% of an embedding-bag step).

@@ -25,6 +25,7 @@ Scale-then-privatize clips s ⊙ ∇W_u; for T = 1 the norm stays a product:
 ‖s ⊙ (a_u δ_uᵀ)‖² = (a_u⊙a_u)ᵀ (s⊙s) (δ_u⊙δ_u) (Ganesh et al. 2025); for T > 1
 the per-unit gradients are materialized.
 """
+import collections
 import math
 import os
 
@@ -673,35 +674,61 @@ def _may_be_one_row_per_unit(delta):
   return tf.reduce_all(tf.logical_not(big > small))
 
 
+def _first_counts(ids, nonzero, vocab_size):
+  """n [U, T] int32: at the first non-zero position of each id in its unit,
+  n_uv, the unit's non-zero positions with that id; 0 at every other
+  position (``nonzero`` None: every position counts).
+
+  A scatter-min of the positions into U·vocab counters
+  (:func:`_counter_dtype`: positions 0..T − 1, uint8 up to T = 256) gives
+  each position its id's first position, and a scatter-add of ones into
+  the U·T first positions counts them: integers, exact. The positions that
+  do not count are dropped from both scatters (segment id −1). One term
+  per (unit, id) is what the float32 sum needs
+  (:func:`pooled_embedding_grad`), and Σ_t n_ut² = Σ_v n_uv² the norm."""
+  num_units, length = tf.shape(ids)[0], tf.shape(ids)[1]
+  keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
+          + tf.range(num_units)[:, None] * vocab_size)
+  if nonzero is not None:
+    keys = tf.where(nonzero, keys, -1)
+  positions = tf.broadcast_to(
+      tf.cast(tf.range(length), _counter_dtype(ids.shape[1], -1))[None],
+      tf.shape(keys))
+  first = tf.math.unsorted_segment_min(
+      tf.reshape(positions, [-1]), tf.reshape(keys, [-1]),
+      num_units * vocab_size)
+  slots = (tf.cast(tf.gather(first, tf.maximum(keys, 0)), tf.int32)
+           + tf.range(num_units)[:, None] * length)
+  if nonzero is not None:
+    slots = tf.where(nonzero, slots, -1)
+  counts = tf.math.unsorted_segment_sum(
+      tf.ones([num_units * length], tf.int32), tf.reshape(slots, [-1]),
+      num_units * length)
+  return tf.reshape(counts, [num_units, length])
+
+
+def _norms_of_counts(g, counts, present):
+  """(‖∇E_u‖², bound) of units whose rows are n_uv·g_u
+  (:func:`_first_counts`): ‖g_u‖²·Σ_v n_uv², and Σ_t ‖δ_t‖ =
+  ‖g_u‖·``present`` (the unit's non-zero positions, [U])."""
+  # Σ_v n_uv² ≤ T² < 2³¹ (int32: exact, one float64 pass fewer).
+  length = counts.shape[1]
+  small = length is not None and length < 2 ** 15
+  pairs = (tf.cast(tf.reduce_sum(counts * counts, 1), tf.float64) if small
+           else tf.reduce_sum(tf.square(tf.cast(counts, tf.float64)), 1))
+  g_sq = sum_squares(g)
+  return g_sq * pairs, tf.sqrt(g_sq) * present
+
+
 def _pooled_sq_norms(ids, g, nonzero, vocab_size):
   """(‖∇E_u‖², bound) when unit u's non-zero rows all equal g_u: its
   gradient has rows n_uv·g_u (n_uv: its non-zero positions with id v), so
-  ‖∇E_u‖² = ‖g_u‖² Σ_v n_uv², by counting: no sort.
-
-  Σ_v n_uv² = Σ_{t non-zero} n_{u,id_t} (token v is met n_uv times, each
-  time counting n_uv): integer counters (exact), gathered back at the
-  unit's own positions, summed exactly. Position 0 is counted apart —
-  n_uv = n'_uv + [id_0 = v], n' over positions 1..T−1 — so that the
-  counters need hold only T − 1 (:func:`_counter_dtype`: uint8 for T up to
-  256, where a unit of one repeated token has n = T = 256). The bound
-  Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of non-zero positions)."""
-  num_units, length = tf.shape(ids)[0], ids.shape[1]
-  keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
-          + tf.range(num_units)[:, None] * vocab_size)
-  later = nonzero & (tf.range(tf.shape(ids)[1]) > 0)[None]
-  counts = tf.math.unsorted_segment_sum(
-      tf.cast(later, _counter_dtype(length, -1)), keys,
-      num_units * vocab_size)
-  first = nonzero[:, :1] & tf.equal(keys, keys[:, :1])
-  mine = tf.where(nonzero, tf.cast(tf.gather(counts, keys), tf.int32)
-                  + tf.cast(first, tf.int32), 0)
-  # Σ_t n ≤ T² < 2³¹ (int32: exact, one float64 pass fewer).
-  small = length is not None and length < 2 ** 15
-  pairs = (tf.cast(tf.reduce_sum(mine, 1), tf.float64) if small else
-           tf.reduce_sum(tf.cast(mine, tf.float64), 1))
-  g_sq = sum_squares(g)
-  present = tf.reduce_sum(tf.cast(nonzero, tf.float64), 1)
-  return g_sq * pairs, tf.sqrt(g_sq) * present
+  ‖∇E_u‖² = ‖g_u‖² Σ_v n_uv², by counting (:func:`_first_counts`): no
+  sort. The bound Σ_t ‖δ_t‖ of :func:`guarded` is ‖g_u‖·(number of
+  non-zero positions)."""
+  return _norms_of_counts(
+      g, _first_counts(ids, nonzero, vocab_size),
+      tf.reduce_sum(tf.cast(nonzero, tf.float64), 1))
 
 
 def _sorted_sq_norms(ids, delta64, vocab_size, scale):
@@ -722,7 +749,43 @@ def _sorted_with_bound(ids, delta, vocab_size, scale):
   return _sorted_sq_norms(ids, delta64, vocab_size, scale), bound
 
 
-def embedding_sq_norms(ids, delta, vocab_size, scale=None):
+PooledLookup = collections.namedtuple(
+    "PooledLookup", ["delta", "pooled", "rows", "counts"])
+PooledLookup.__doc__ = """An embedding lookup's δ, checked for pooling
+(:func:`pooled_lookup`).
+
+delta: δ [U, T, d], one buffer (read by the check, the fallbacks and the
+float64 sum). pooled: bool, True when every row of every unit is one finite
+row g_u. rows: g [U, d]. counts: n [U, T] of :func:`_first_counts` (every
+position counted), meaningful where ``pooled``.
+"""
+
+
+def pooled_lookup(ids, delta, vocab_size):
+  """:class:`PooledLookup` of ids [U, T], δ [U, T, d], or None where the
+  check does not run unconditionally: U, T and d static, U·vocab counters
+  within _MAX_COUNTERS and vocab ≤ _COUNTERS_PER_ROW·T·d.
+
+  Unconditionally, its results used outside any cond: computed inside a
+  conditional's branch, or used only there (XLA then moves it into the
+  branch), the same work took 0.8 ms more of an embedding bag's step on
+  the CPU (batch 256: 6.3 → 5.5 ms). Only where the counters are at most a
+  few times δ's size: a model whose rows differ (a transformer's
+  embedding) pays the check and the counts for nothing. One δ for the
+  check and the fallbacks' operands (xla_hints.opaque): XLA wrote it
+  twice, 1.1 ms of an embedding bag's 8.6 ms step."""
+  delta = tf.convert_to_tensor(delta)
+  units, length, dim = ids.shape[0], delta.shape[1], delta.shape[2]
+  if units is None or units * vocab_size > _MAX_COUNTERS or (
+      length is None or dim is None) or (
+          vocab_size > _COUNTERS_PER_ROW * length * dim):
+    return None
+  delta = xla_hints.opaque(delta)
+  equal, g = _equal_rows(delta)
+  return PooledLookup(delta, equal, g, _first_counts(ids, None, vocab_size))
+
+
+def embedding_sq_norms(ids, delta, vocab_size, scale=None, lookup=None):
   """‖∇E_u‖²_F of an embedding lookup: ids [U, T], δ [U, T, d] -> [U].
 
   Unit u's gradient has row Σ_{t: id_t = v} δ_t for every token v it uses;
@@ -733,9 +796,14 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
   the values, as after a mean or sum pooling of the embeddings — the rows
   are n_uv·g_u and ‖∇E_u‖² = ‖g_u‖²·Σ_v n_uv²: token counts replace the
   sort (XLA's comparator sort dominates an embedding bag's step on the CPU).
-  Either way in float64 and :func:`guarded` by Σ_t ‖δ_t‖.
+  Either way in float64 and :func:`guarded` by Σ_t ‖δ_t‖. ``lookup``:
+  :func:`pooled_lookup` of the same ids and δ, if the caller has it.
   """
   delta = tf.convert_to_tensor(delta)
+  if scale is None and lookup is None:
+    lookup = pooled_lookup(ids, delta, vocab_size)
+  if scale is None and lookup is not None:
+    delta = lookup.delta
   sorted_sq = lambda: _sorted_with_bound(ids, delta, vocab_size, scale)
 
   def masked_rows():  # padding positions (zero rows) between them
@@ -743,30 +811,20 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None):
     return tf.cond(pooled,
                    lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
                    sorted_sq)
-  units, length, dim = ids.shape[0], delta.shape[1], delta.shape[2]
+  units = ids.shape[0]
   fits = units is not None and units * vocab_size <= _MAX_COUNTERS
-  if scale is None and fits and length is not None and dim is not None and (
-      vocab_size <= _COUNTERS_PER_ROW * length * dim):
-    # The pooled case outside any cond, its result used outside one: the
-    # check and the counts run unconditionally, and only the fallback runs
-    # under a cond (which returns zeros when not needed). Computed inside
-    # a conditional's branch, or used only there (XLA then moves it into
-    # the branch), the same work took 0.8 ms more of an embedding bag's
-    # step on the CPU (batch 256: 6.3 → 5.5 ms). Only where the counters
-    # are at most a few times δ's size: a model whose rows differ (a
-    # transformer's embedding) pays the check and the counts for nothing.
-    # One δ for the check and the fallback's operand (xla_hints.opaque):
-    # XLA wrote it twice, 1.1 ms of an embedding bag's 8.6 ms step.
-    delta = xla_hints.opaque(delta)
-    equal, g = _equal_rows(delta)
-    pooled_sq, pooled_bound = _pooled_sq_norms(
-        ids, g, tf.ones(tf.shape(ids), tf.bool), vocab_size)
+  if scale is None and lookup is not None:
+    # The pooled case outside any cond (pooled_lookup); only the fallback
+    # runs under one (which returns zeros when not needed).
+    pooled_sq, pooled_bound = _norms_of_counts(
+        lookup.rows, lookup.counts,
+        tf.cast(tf.fill(tf.shape(ids)[:1], tf.shape(ids)[1]), tf.float64))
     zero = tf.zeros_like(pooled_sq)
     other_sq, other_bound = tf.cond(
-        equal, lambda: (zero, zero), lambda: tf.cond(
+        lookup.pooled, lambda: (zero, zero), lambda: tf.cond(
             _may_be_one_row_per_unit(delta), masked_rows, sorted_sq))
-    sq = tf.where(equal, pooled_sq, other_sq)
-    bound = tf.where(equal, pooled_bound, other_bound)
+    sq = tf.where(lookup.pooled, pooled_sq, other_sq)
+    bound = tf.where(lookup.pooled, pooled_bound, other_bound)
   elif scale is None and (units is None or fits):
     def counted():
       equal, g = _equal_rows(delta)
@@ -793,15 +851,70 @@ def embedding_square_sum(ids, delta, weights, vocab_size):
 
 
 def embedding_grad(ids, delta, weights, vocab_size):
-  """Σ_u w_u ∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
+  """Σ_u w_u ∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d], in
+  float64 (as the norms: see linear_grad)."""
   delta, weights = tf.convert_to_tensor(delta), tf.convert_to_tensor(weights)
-  # float64, as the norms (see linear_grad).
   weighted = masked(tf.cast(delta, tf.float64), weights != 0) * tf.cast(
       weights, tf.float64)[:, None, None]
   return tf.math.unsorted_segment_sum(
       tf.reshape(weighted, [-1, tf.shape(delta)[-1]]),
       tf.reshape(tf.cast(_rows_of(ids, vocab_size), tf.int32), [-1]),
       vocab_size)
+
+
+def embedding_float32_max_units(vocab_size, dim, dtype):
+  """The most units for which an embedding's book-kept sum may take
+  :func:`pooled_embedding_grad` (0: never): float32 or narrower δ, a table
+  of at least FLOAT32_MIN_WEIGHTS entries, a clip shrink 2γU ≤
+  FLOAT32_MAX_SHRINK, and partial tables within FLOAT32_MAX_PARTIAL_BYTES
+  (at most ⌈U/FLOAT32_CHUNK⌉ of them). Of the layer alone, never of the
+  batch (its U or T): the clip shrink it sets must be the same for every
+  batch (``keras.ghost._float32_sums``)."""
+  if dim is None or dtype not in (tf.float32, tf.float16, tf.bfloat16) or (
+      vocab_size * dim < FLOAT32_MIN_WEIGHTS):
+    return 0
+  return min(int(FLOAT32_MAX_SHRINK / (2.0 * float32_rounding())),
+             FLOAT32_CHUNK * (FLOAT32_MAX_PARTIAL_BYTES // (4 * vocab_size
+                                                           * dim)))
+
+
+def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
+  """Σ_u w_u ∇E_u of units whose rows are n_uv·g_u (rows g [U, d], counts n
+  [U, T] of :func:`_first_counts`) -> [vocab, d]: one float32 term
+  n_uv·w_u·g_u per (unit, id), scattered at the id's first position into
+  ⌈U/K⌉ partial tables of K units (:func:`float32_chunk` of U and the
+  model's float32 unit limit L = ``max_units``), the tables summed in
+  float64. The float64 sum of δ (:func:`embedding_grad`) scatters U·T rows
+  of float64: 8.4 of an embedding bag's 22 ms a step at 1,024 units on the
+  CPU.
+
+  Private only with every unit clipped at C/:func:`float32_clip_shrink` of
+  the same L, and U ≤ L (``keras.ghost.clipped_sum`` does). The rounding,
+  elementwise: each term is formed in float64 (n exact) and rounded once
+  to float32 (:func:`_saturated`: an overflow only shrinks it); a table's
+  entry adds at most K non-zero terms, one per unit of its chunk, in any
+  order (the zero positions are dropped from the scatter); the tables'
+  float32 → float64 casts are exact. That is K + 1 roundings of 2⁻²⁴, of
+  the K + 5 γ_K allows (:func:`float32_rounding`), relative to Σ_u |x_u|:
+  ‖error‖ ≤ γ_K·Σ_u‖x_u‖, as the Dense sums. One term per unit matters: a
+  unit's n_uv copies of w_u·g_u would round n_uv times. Units with weight 0
+  add exactly 0 (their g is finite: pooled rows are checked finite)."""
+  units = ids.shape[0]
+  chunk = float32_chunk(units, max_units)
+  num_units = tf.shape(ids)[0]
+  count = (num_units + chunk - 1) // chunk
+  weights = tf.cast(weights, tf.float64)
+  y = masked(tf.cast(rows, tf.float64), weights != 0) * weights[:, None]
+  terms = _saturated(tf.cast(counts, tf.float64)[:, :, None] * y[:, None],
+                     tf.float32)
+  table = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
+           + (tf.range(num_units) // chunk)[:, None] * vocab_size)
+  table = tf.where(counts > 0, table, -1)
+  partial = tf.math.unsorted_segment_sum(
+      tf.reshape(terms, [-1, tf.shape(terms)[-1]]), tf.reshape(table, [-1]),
+      count * vocab_size)
+  return tf.reduce_sum(tf.cast(tf.reshape(
+      partial, [count, vocab_size, tf.shape(terms)[-1]]), tf.float64), 0)
 
 
 def conv_patches(x, kernel_size, strides, padding, dilation_rate):

@@ -25,24 +25,59 @@ class Embedding(base.Rule):
   def __init__(self, layer):
     super().__init__(layer)
     self.variables = [layer.embeddings]
+    # As linear.Linear's: set by keras.ghost.clipped_sum where the units
+    # were clipped for a float32 sum (a boolean tensor, None for float64),
+    # and the model's float32 unit limit L.
+    self.float32_sum = None
+    self.float32_units = None
+    self._lookup = None
+
+  @property
+  def vocab(self):
+    return self.layer.embeddings.shape[0]
+
+  def float32_max_units(self, deltas):
+    """The most units whose pooled sum may be book-kept in float32
+    (``ghost.embedding_float32_max_units``: of the table alone)."""
+    return ghost.embedding_float32_max_units(
+        self.vocab, self.layer.embeddings.shape[1], deltas[0].dtype)
 
   def _ids_deltas(self, deltas):
     return _ids(self.calls), _grouped(self.calls, deltas)
 
+  def _pooled(self, deltas):
+    """(ids, δ, ghost.pooled_lookup or None), the lookup made once for the
+    norms and the sum of the same deltas."""
+    if self._lookup is None or self._lookup[0] is not deltas:
+      ids, d = self._ids_deltas(deltas)
+      self._lookup = (deltas, (ids, d, ghost.pooled_lookup(ids, d,
+                                                           self.vocab)))
+    return self._lookup[1]
+
   def sq_norms(self, deltas, scales):
-    ids, d = self._ids_deltas(deltas)
-    return [ghost.embedding_sq_norms(ids, d, self.layer.embeddings.shape[0],
-                                     scales[0])]
+    if scales[0] is not None:
+      ids, d = self._ids_deltas(deltas)
+      return [ghost.embedding_sq_norms(ids, d, self.vocab, scales[0])]
+    ids, d, lookup = self._pooled(deltas)
+    return [ghost.embedding_sq_norms(ids, d, self.vocab, lookup=lookup)]
 
   def grads(self, deltas, weights):
-    ids, d = self._ids_deltas(deltas)
-    return [ghost.embedding_grad(ids, d, weights[0],
-                                 self.layer.embeddings.shape[0])]
+    ids, d, lookup = self._pooled(deltas)
+    if lookup is None:
+      return [ghost.embedding_grad(ids, d, weights[0], self.vocab)]
+    float64 = lambda: ghost.embedding_grad(ids, lookup.delta, weights[0],
+                                           self.vocab)
+    if self.float32_sum is None:
+      return [float64()]
+    return [tf.cond(self.float32_sum & lookup.pooled,
+                    lambda: ghost.pooled_embedding_grad(
+                        ids, lookup.rows, lookup.counts, weights[0],
+                        self.vocab, self.float32_units),
+                    float64)]
 
   def square_sums(self, deltas, weights):
     ids, d = self._ids_deltas(deltas)
-    return [ghost.embedding_square_sum(ids, d, weights[0],
-                                       self.layer.embeddings.shape[0])]
+    return [ghost.embedding_square_sum(ids, d, weights[0], self.vocab)]
 
   def plan(self):
     return "row sums of δ per unit (sorted ids)"
