@@ -623,10 +623,10 @@ def test_embedding_norms_count_wherever_the_counters_fit(vocab, monkeypatch):
 @pytest.mark.parametrize("length", [256, 257])
 @pytest.mark.parametrize("rows", ["pooled", "pooled, padded", "distinct"])
 def test_embedding_counters_at_the_edge_of_their_dtype(length, rows):
-  """The U·vocab counters are the narrowest integers that hold T − 1
-  (uint8 up to T = 256, then int16): position 0 is counted apart, so a
-  unit of one token repeated T = 256 times (n = 256, past uint8) counts
-  right, as do first positions up to 255. Pooled rows (the counting
+  """The U·vocab counters are the narrowest integers that hold the
+  positions 0..T − 1 (uint8 up to T = 256, then int16): they hold first
+  positions, and the counts (n = 256 for a unit of one token repeated
+  T = 256 times, past uint8) are int32. Pooled rows (the counting
   shortcut), pooled rows with padding at position 0 (the masked-rows
   check), and distinct rows (first positions), against the materialized
   norms."""

@@ -880,7 +880,7 @@ def embedding_float32_max_units(vocab_size, dim, dtype):
 
 def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   """Σ_u w_u ∇E_u of units whose rows are n_uv·g_u (rows g [U, d], counts n
-  [U, T] of :func:`_first_counts`) -> [vocab, d]: one float32 term
+  [U, T] of :func:`_first_counts`) -> float32 [vocab, d]: one float32 term
   n_uv·w_u·g_u per (unit, id), scattered at the id's first position into
   ⌈U/K⌉ partial tables of K units (:func:`float32_chunk` of U and the
   model's float32 unit limit L = ``max_units``), the tables summed in
@@ -894,8 +894,9 @@ def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   to float32 (:func:`_saturated`: an overflow only shrinks it); a table's
   entry adds at most K non-zero terms, one per unit of its chunk, in any
   order (the zero positions are dropped from the scatter); the tables'
-  float32 → float64 casts are exact. That is K + 1 roundings of 2⁻²⁴, of
-  the K + 5 γ_K allows (:func:`float32_rounding`), relative to Σ_u |x_u|:
+  float32 → float64 casts are exact, and their float64 sum is rounded to
+  float32 once. That is K + 1 roundings of 2⁻²⁴, of the K + 5 γ_K allows
+  (:func:`float32_rounding`), relative to Σ_u |x_u|:
   ‖error‖ ≤ γ_K·Σ_u‖x_u‖, as the Dense sums. One term per unit matters: a
   unit's n_uv copies of w_u·g_u would round n_uv times. Units with weight 0
   add exactly 0 (their g is finite: pooled rows are checked finite)."""
@@ -913,8 +914,11 @@ def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   partial = tf.math.unsorted_segment_sum(
       tf.reshape(terms, [-1, tf.shape(terms)[-1]]), tf.reshape(table, [-1]),
       count * vocab_size)
-  return tf.reduce_sum(tf.cast(tf.reshape(
-      partial, [count, vocab_size, tf.shape(terms)[-1]]), tf.float64), 0)
+  if units is not None and units <= chunk:
+    return partial  # one table: nothing to add in float64
+  return tf.cast(tf.reduce_sum(tf.cast(tf.reshape(
+      partial, [count, vocab_size, tf.shape(terms)[-1]]), tf.float64), 0),
+                 tf.float32)
 
 
 def conv_patches(x, kernel_size, strides, padding, dilation_rate):

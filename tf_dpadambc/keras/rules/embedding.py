@@ -67,13 +67,21 @@ class Embedding(base.Rule):
       return [ghost.embedding_grad(ids, d, weights[0], self.vocab)]
     float64 = lambda: ghost.embedding_grad(ids, lookup.delta, weights[0],
                                            self.vocab)
-    if self.float32_sum is None:
+    # U is static here (pooled_lookup): the float32 sum's U ≤ L is decided
+    # when traced (keras.ghost._float32_sums: float32_sum = U ≤ this
+    # table's own limit).
+    if self.float32_sum is None or ids.shape[0] > self.float32_max_units(
+        deltas):
       return [float64()]
-    return [tf.cond(self.float32_sum & lookup.pooled,
+    # Both branches end in float32: with U ≤ L the float64 sum's one
+    # rounding is within the γ_K·U·C' the clip shrink pays for
+    # (ghost.float32_rounding), and a float64 table crossing the
+    # conditional was written out as such.
+    return [tf.cond(lookup.pooled,
                     lambda: ghost.pooled_embedding_grad(
                         ids, lookup.rows, lookup.counts, weights[0],
                         self.vocab, self.float32_units),
-                    float64)]
+                    lambda: tf.cast(float64(), tf.float32))]
 
   def square_sums(self, deltas, weights):
     ids, d = self._ids_deltas(deltas)
