@@ -978,7 +978,7 @@ def test_automatic_clipping_with_a_tiny_gamma_stays_finite():
                              axis=tuple(range(1, np.ndim(g))))
                       for g in per_unit))
   shrink = float(ghost.float32_clip_shrink(ghost.float32_max_units(
-      1, 256, 128, tf.float32)))  # the float32 sums clip at C' = C/shrink
+      256, 128, tf.float32)))  # the float32 sums clip at C' = C/shrink
   factors = 100.0 / shrink / (norms + 2e-38)
   want = np.einsum("u,upd->pd", factors[1:],
                    np.asarray(per_unit[0], np.float64)[1:])
@@ -1001,7 +1001,7 @@ def test_float32_chunks_stay_within_the_shrinks_rounding(max_units):
     assert count * chunk - units < count, units
   assert ghost.float32_chunk(256, 1771) == 128  # two chunks, not 8 of 32
   # The library's own L for the MLP's kernel: one chunk for a batch of 256.
-  limit = ghost.float32_max_units(1, 784, 128, tf.float32)
+  limit = ghost.float32_max_units(784, 128, tf.float32)
   assert limit == 2040 and ghost.float32_chunk(256, limit) == 256
   assert ghost.float32_chunk(272, limit) == 272
   assert ghost.float32_chunk(273, limit) < 273
@@ -1035,7 +1035,7 @@ def _wide_mlp():  # a 256 x 128 kernel: the chunked float32 sum
 
 def _wide_limit():
   """L, the most units the 256 x 128 kernel's float32 sum takes."""
-  return ghost.float32_max_units(1, 256, 128, tf.float32)
+  return ghost.float32_max_units(256, 128, tf.float32)
 
 
 @pytest.mark.parametrize("case", ["float32", "too many units", "stp"])
@@ -1234,6 +1234,46 @@ def test_embedding_float32_sum_clips_at_the_shrunk_norm(case, monkeypatch):
   ratio = np.asarray(doubled.grads[0]) / np.asarray(result.grads[0])
   want = 2.0 if case == "pooled" else 1.0
   np.testing.assert_allclose(ratio[np.isfinite(ratio)], want)
+
+
+@pytest.mark.parametrize("length", [1, 2])
+def test_float32_shrink_does_not_depend_on_the_sequence_length(length):
+  """Regression (review): a Dense on tokens set the model's float32 limit L
+  only at T = 1, so sequences padded to the longest one clipped every unit
+  at C/(1 + 2γL) in one batch and at C in a neighbouring batch with one
+  longer sequence (4.3C apart). L is now of the kernel alone: at T = 1
+  (float32 sum) and T = 2 (float64 sum) every unit clips at the same
+  C/(1 + 2γL)."""
+  model = keras.Sequential([keras.Input((length, 256)),
+                            keras.layers.Dense(128, activation="tanh"),
+                            keras.layers.GlobalAveragePooling1D(),
+                            keras.layers.Dense(3)])
+  rng = np.random.default_rng(41)
+  units, clip = 24, 0.02
+  x = rng.normal(size=(units, length, 256)).astype(np.float32)
+  y = rng.integers(0, 3, units)
+  shrink = float(ghost.float32_clip_shrink(_wide_limit()))
+  result = ghost_sum(model, x, y, None, clipping.ClipSpec(clip), None)
+  expected = reference(model, x, y, None, clipping.ClipSpec(clip / shrink),
+                       None)
+  assert int(expected.num_clipped) == units
+  assert_same(result, expected)
+
+
+def test_float32_sums_never_overflow_near_float32s_range():
+  """Regression (review): with a clip near float32's largest value, a
+  pooled embedding's float32 table added units' saturated terms up to inf
+  (5 units sharing a token at C = 2e38, automatic clipping: every unit
+  scaled to about C). Where U·C can pass half of
+  float32's range the sums stay float64, and the result is finite."""
+  vocab = 2048
+  model = _embedding_bag(vocab)
+  x = np.full((8, 40), 5)  # alike: their shares of row 5 add up
+  y = np.zeros(8, np.int64)
+  result = ghost_sum(model, x, y, None,
+                     clipping.ClipSpec(2e38, automatic_gamma=0.01), None)
+  for g in result.grads:
+    assert np.all(np.isfinite(np.asarray(g)))
 
 
 class _CondDense(keras.layers.Layer):

@@ -293,7 +293,7 @@ def float32_rounding(chunk=None):
   (a clip factor of 7.6e-46 cast to float32 becomes 0, and its unit adds
   nothing); gradual underflow would round such a factor up to 1.4e-45, and
   the unit would add 1.84·C'. Overflow of w_u·δ_u is saturated
-  (:func:`_saturated`), which also only shrinks a term."""
+  (:func:`saturated`), which also only shrinks a term."""
   n = (FLOAT32_CHUNK if chunk is None else chunk) + 5
   return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
 
@@ -344,16 +344,20 @@ def _reduced_cpu_matmul_precision():
                                  "TF_SET_ONEDNN_FPMATH_MODE"))
 
 
-def float32_max_units(positions, fan_in, fan_out, dtype):
-  """The most units for which a layer's book-kept sum may take
-  :func:`chunked_linear_grad` (0: never): T = 1, float32 records, a kernel
-  of at least FLOAT32_MIN_WEIGHTS entries (below that the float64 product
-  is cheap), a clip shrink 2γU ≤ FLOAT32_MAX_SHRINK and partial sums within
+def float32_max_units(fan_in, fan_out, dtype):
+  """The most units for which a Dense-like kernel's book-kept sum may take
+  :func:`chunked_linear_grad` (0: never), of the kernel alone ([fan_in,
+  fan_out] of ``dtype``): not float64, at least FLOAT32_MIN_WEIGHTS
+  entries (below that the float64 product is cheap), a clip shrink
+  2γU ≤ FLOAT32_MAX_SHRINK and partial sums within
   FLOAT32_MAX_PARTIAL_BYTES (at most ⌈U/FLOAT32_CHUNK⌉ of them); never
   where float32 products may run in TF32 (a GPU with TensorFloat-32
-  enabled: inputs rounded to 2⁻¹¹, outside γ)."""
-  if positions != 1 or dtype != tf.float32 or fan_in is None or (
-      fan_out is None) or fan_in * fan_out < FLOAT32_MIN_WEIGHTS:
+  enabled: inputs rounded to 2⁻¹¹, outside γ). Never of the batch (its U,
+  or T: a call with T = 1 is what lets the sum run in float32, not what
+  sets the limit), since the clip shrink it sets must be the same for
+  every batch (``keras.ghost._float32_sums``)."""
+  if dtype == tf.float64 or fan_in is None or fan_out is None or (
+      fan_in * fan_out < FLOAT32_MIN_WEIGHTS):
     return 0
   if tf.config.experimental.tensor_float_32_execution_enabled() and (
       tf.config.list_logical_devices("GPU")):
@@ -386,12 +390,12 @@ def chunked_linear_grad(a, delta, weights, max_units):
   masked one (up to the sign of zeros); one with a non-finite entry is
   recomputed with a masked, chunk by chunk in a loop (it holds one small
   chunk's copy, not U rows, and runs only for such batches). w⊙δ is formed
-  in float64 and saturated to float32's range (:func:`_saturated`): an
+  in float64 and saturated to float32's range (:func:`saturated`): an
   overflow there would leave inf, and NaN in every entry."""
   keep = weights != 0
   chunk = float32_chunk(a.shape[0], max_units)
   a = a[:, 0]
-  y = _saturated(masked(tf.cast(delta[:, 0], tf.float64), keep)
+  y = saturated(masked(tf.cast(delta[:, 0], tf.float64), keep)
                  * tf.cast(weights, tf.float64)[:, None], delta.dtype)
   total = _chunk_sums(a, y, chunk)
   finite = tf.reduce_all(tf.math.is_finite(total))
@@ -406,7 +410,7 @@ def chunked_linear_grad(a, delta, weights, max_units):
                  a.dtype)
 
 
-def _saturated(t, dtype):
+def saturated(t, dtype):
   """float64 ``t`` in ``dtype``, held to its finite range: w_u·δ_u past
   float32's (a factor C/γ of automatic clipping for a zero gradient, or an
   example of zero inputs and a huge output gradient) would be inf, and
@@ -864,13 +868,13 @@ def embedding_grad(ids, delta, weights, vocab_size):
 
 def embedding_float32_max_units(vocab_size, dim, dtype):
   """The most units for which an embedding's book-kept sum may take
-  :func:`pooled_embedding_grad` (0: never): float32 or narrower δ, a table
-  of at least FLOAT32_MIN_WEIGHTS entries, a clip shrink 2γU ≤
-  FLOAT32_MAX_SHRINK, and partial tables within FLOAT32_MAX_PARTIAL_BYTES
-  (at most ⌈U/FLOAT32_CHUNK⌉ of them). Of the layer alone, never of the
-  batch (its U or T): the clip shrink it sets must be the same for every
-  batch (``keras.ghost._float32_sums``)."""
-  if dim is None or dtype not in (tf.float32, tf.float16, tf.bfloat16) or (
+  :func:`pooled_embedding_grad` (0: never): a table ([vocab, d] of
+  ``dtype``) not float64, of at least FLOAT32_MIN_WEIGHTS entries, a clip
+  shrink 2γU ≤ FLOAT32_MAX_SHRINK, and partial tables within
+  FLOAT32_MAX_PARTIAL_BYTES (at most ⌈U/FLOAT32_CHUNK⌉ of them). Of the
+  table alone, never of the batch (its U or T): the clip shrink it sets
+  must be the same for every batch (``keras.ghost._float32_sums``)."""
+  if dim is None or dtype == tf.float64 or (
       vocab_size * dim < FLOAT32_MIN_WEIGHTS):
     return 0
   return min(int(FLOAT32_MAX_SHRINK / (2.0 * float32_rounding())),
@@ -891,7 +895,7 @@ def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   Private only with every unit clipped at C/:func:`float32_clip_shrink` of
   the same L, and U ≤ L (``keras.ghost.clipped_sum`` does). The rounding,
   elementwise: each term is formed in float64 (n exact) and rounded once
-  to float32 (:func:`_saturated`: an overflow only shrinks it); a table's
+  to float32 (:func:`saturated`: an overflow only shrinks it); a table's
   entry adds at most K non-zero terms, one per unit of its chunk, in any
   order (the zero positions are dropped from the scatter); the tables'
   float32 → float64 casts are exact, and their float64 sum is rounded to
@@ -906,7 +910,7 @@ def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   count = (num_units + chunk - 1) // chunk
   weights = tf.cast(weights, tf.float64)
   y = masked(tf.cast(rows, tf.float64), weights != 0) * weights[:, None]
-  terms = _saturated(tf.cast(counts, tf.float64)[:, :, None] * y[:, None],
+  terms = saturated(tf.cast(counts, tf.float64)[:, :, None] * y[:, None],
                      tf.float32)
   table = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
            + (tf.range(num_units) // chunk)[:, None] * vocab_size)

@@ -265,39 +265,50 @@ class _Recorder:
         object.__setattr__(layer, "call", own)
 
 
-def _float32_sums(rules, deltas, scales, num_units):
-  """Switches the T = 1 layers that allow this many units to chunked float32
-  sums (``core.ghost.chunked_linear_grad``, several times faster than the
-  float64 product on the CPU) and returns the clip shrink that pays for
-  their rounding, or None where no layer is eligible (and with a
-  scale-then-privatize preconditioner, whose scaled norms do not bound the
-  unscaled sum's rounding).
+def _float32_sums(rules, deltas, scales, num_units, largest_clip):
+  """Switches the layers that may (this trace) and can (this many units)
+  to float32 sums (``core.ghost.chunked_linear_grad`` for a Dense on
+  vectors, several times faster than the float64 product on the CPU;
+  ``core.ghost.pooled_embedding_grad`` for a pooled embedding) and returns
+  the clip shrink that pays for their rounding, or None where no layer is
+  eligible (and with a scale-then-privatize preconditioner, whose scaled
+  norms do not bound the unscaled sum's rounding).
 
   The shrink is 1 + 2γL (``core.ghost.float32_clip_shrink``) with L the
-  largest unit limit among the eligible layers — a constant of the model,
-  not of this batch's U. U is the realized number of rows, which under
-  add/remove adjacency differs between neighbouring batches (unpadded
-  Poisson batches, a last partial batch): a shrink of 1 + 2γU would clip
-  every other unit differently in the two, and at U = L + 1 (float64, no
-  shrink) against U = L (float32, 1 + 2γL) it moved the sum by up to
-  L·C·2γL/(1 + 2γL) ≈ 14C. With one shrink for every U, unit u changes the
-  computed sum by at most C' plus both batches' rounding, each at most
-  γ·L·C' (chunks of ``core.ghost.float32_chunk``: γ_K·U ≤ γL; 0 where every
-  sum is float64): ≤ C'(1 + 2γL) = C."""
+  largest unit limit among the eligible layers — a constant of the model's
+  weights (``float32_max_units()``: kernel and table shapes), not of this
+  batch's U, nor of its T, nor of which layers this trace calls. U is the
+  realized number of rows, which under add/remove adjacency differs
+  between neighbouring batches (unpadded Poisson batches, a last partial
+  batch): a shrink of 1 + 2γU would clip every other unit differently in
+  the two, and at U = L + 1 (float64, no shrink) against U = L (float32,
+  1 + 2γL) it moved the sum by up to L·C·2γL/(1 + 2γL) ≈ 14C. T can be
+  data too (sequences padded to the longest one, retraced per length): a
+  Dense on tokens set L only at T = 1, and a review moved the sum by 4.3C
+  with one added two-token example. With one shrink for every batch, unit
+  u changes the computed sum by at most C' plus both batches' rounding,
+  each at most γ·L·C' (chunks of ``core.ghost.float32_chunk``: γ_K·U ≤ γL;
+  0 where every sum is float64): ≤ C'(1 + 2γL) = C.
+
+  A float32 sum runs only where no entry can overflow: each is at most
+  Σ_u ‖x_u‖ ≤ U·C (``largest_clip``: the largest of the clip norms), held
+  below half of float32's largest value (a clip near 3.4e38 made a pooled
+  embedding's table inf at 5 units)."""
   if scales is not None:
     return None
-  limits = {}
-  for rule, d in zip(rules, deltas):
-    limit = (rule.float32_max_units(d) if rule.calls and hasattr(
-        rule, "float32_max_units") else 0)
-    if limit > 0:
-      rule.float32_sum = num_units <= limit
-      limits[rule] = limit
+  limits = {rule: rule.float32_max_units() for rule in rules
+            if hasattr(rule, "float32_max_units")}
+  limits = {rule: limit for rule, limit in limits.items() if limit > 0}
   if not limits:
     return None
-  for rule in limits:  # their chunks' rounding is budgeted against L
-    rule.float32_units = max(limits.values())
-  return core_ghost.float32_clip_shrink(max(limits.values()))
+  largest = max(limits.values())
+  fits = (tf.cast(num_units, tf.float64) * tf.cast(largest_clip, tf.float64)
+          <= tf.float32.max / 2)
+  for rule, d in zip(rules, deltas):
+    if rule in limits and rule.calls and rule.float32_usable(d):
+      rule.float32_sum = (num_units <= limits[rule]) & fits
+      rule.float32_units = largest  # chunks budgeted against L
+  return core_ghost.float32_clip_shrink(largest)
 
 
 def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
@@ -388,7 +399,10 @@ def clipped_sum(model, params, non_trainable, units, unit_loss_fn, spec):
   # Clip factors in float64, as the sums they weight (a bfloat16 or float32
   # factor could round up by 2⁻⁸ or 2⁻²⁴).
   weight_dtype = clipping.sum_dtype(unit_losses.dtype)
-  shrink = _float32_sums(rules, deltas, scales, tf.shape(unit_losses)[0])
+  shrink = _float32_sums(
+      rules, deltas, scales, tf.shape(unit_losses)[0],
+      spec.l2_norm_clip if spec.layer_clips is None else tf.reduce_max(
+          [tf.cast(c, tf.float64) for c in spec.layer_clips]))
   clip = lambda c: c if shrink is None else tf.cast(c, tf.float64) / shrink
   if spec.layer_clips is None:
     factors = clipping.clip_factors(norms, clip(spec.l2_norm_clip),

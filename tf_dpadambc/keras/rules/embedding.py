@@ -36,11 +36,18 @@ class Embedding(base.Rule):
   def vocab(self):
     return self.layer.embeddings.shape[0]
 
-  def float32_max_units(self, deltas):
+  def float32_max_units(self):
     """The most units whose pooled sum may be book-kept in float32
     (``ghost.embedding_float32_max_units``: of the table alone)."""
     return ghost.embedding_float32_max_units(
-        self.vocab, self.layer.embeddings.shape[1], deltas[0].dtype)
+        self.vocab, self.layer.embeddings.shape[1],
+        tf.as_dtype(self.layer.embeddings.dtype))
+
+  def float32_usable(self, deltas):
+    """Whether this trace may take the float32 sum: the pooled check runs
+    (``ghost.pooled_lookup``: U, T and d static); each batch's values
+    decide (:meth:`grads`)."""
+    return self._pooled(deltas)[2] is not None
 
   def _ids_deltas(self, deltas):
     return _ids(self.calls), _grouped(self.calls, deltas)
@@ -67,21 +74,21 @@ class Embedding(base.Rule):
       return [ghost.embedding_grad(ids, d, weights[0], self.vocab)]
     float64 = lambda: ghost.embedding_grad(ids, lookup.delta, weights[0],
                                            self.vocab)
-    # U is static here (pooled_lookup): the float32 sum's U ≤ L is decided
-    # when traced (keras.ghost._float32_sums: float32_sum = U ≤ this
-    # table's own limit).
-    if self.float32_sum is None or ids.shape[0] > self.float32_max_units(
-        deltas):
+    # U is static here (pooled_lookup): U ≤ this table's own limit is
+    # decided when traced.
+    if self.float32_sum is None or ids.shape[0] > self.float32_max_units():
       return [float64()]
     # Both branches end in float32: with U ≤ L the float64 sum's one
     # rounding is within the γ_K·U·C' the clip shrink pays for
     # (ghost.float32_rounding), and a float64 table crossing the
-    # conditional was written out as such.
-    return [tf.cond(lookup.pooled,
+    # conditional was written out as such. Saturated: past float32's range
+    # (a clip near 3.4e38, where float32_sum is False) each entry is held
+    # at its end, a 1-Lipschitz map of the sum (its sensitivity stays C).
+    return [tf.cond(self.float32_sum & lookup.pooled,
                     lambda: ghost.pooled_embedding_grad(
                         ids, lookup.rows, lookup.counts, weights[0],
                         self.vocab, self.float32_units),
-                    lambda: tf.cast(float64(), tf.float32))]
+                    lambda: ghost.saturated(float64(), tf.float32))]
 
   def square_sums(self, deltas, weights):
     ids, d = self._ids_deltas(deltas)

@@ -24,12 +24,18 @@ class Linear(base.Rule):
     self.float32_sum = None
     self.float32_units = None
 
-  def float32_max_units(self, deltas):
+  def float32_max_units(self):
     """The most units for which the kernel's sum may be book-kept in
-    float32 chunks (``ghost.float32_max_units``; 0: never)."""
-    a, d, _ = self._shared(deltas)
-    return ghost.float32_max_units(a.shape[1], a.shape[2], d.shape[2],
-                                   a.dtype)
+    float32 chunks (``ghost.float32_max_units``, of the kernel's shape and
+    dtype alone; 0: never)."""
+    p, d = self.flat_kernel(self.layer.kernel).shape
+    return ghost.float32_max_units(p, d, tf.as_dtype(self.layer.kernel.dtype))
+
+  def float32_usable(self, deltas):
+    """Whether this trace's calls may take the float32 sum: T = 1 (a Dense
+    on vectors), float32 records."""
+    a, _, shared = self._shared(deltas)
+    return a.shape[1] == 1 and a.dtype == tf.float32 and shared is None
 
   def features(self, inputs, delta):
     """(a [N, T, p], δ [N, T, d]) of one call's merged rows: the two sides
@@ -145,6 +151,9 @@ class Dense(Linear):
 
 
 class Conv(Linear):
+
+  def float32_max_units(self):
+    return 0  # T ≥ 1 output positions: the float64 sums
 
   def features(self, inputs, delta):
     layer = self.layer
