@@ -364,9 +364,15 @@ def float32_max_units(fan_in, fan_out, dtype):
     return 0
   if _reduced_cpu_matmul_precision():
     return 0
+  return _float32_limit(fan_in * fan_out)
+
+
+def _float32_limit(entries):
+  """L for float32 partial sums of ``entries`` values each: a clip shrink
+  2γL ≤ FLOAT32_MAX_SHRINK, and at most ⌈L/FLOAT32_CHUNK⌉ partial sums
+  within FLOAT32_MAX_PARTIAL_BYTES."""
   by_rounding = int(FLOAT32_MAX_SHRINK / (2.0 * float32_rounding()))
-  by_memory = FLOAT32_CHUNK * (FLOAT32_MAX_PARTIAL_BYTES
-                               // (4 * fan_in * fan_out))
+  by_memory = FLOAT32_CHUNK * (FLOAT32_MAX_PARTIAL_BYTES // (4 * entries))
   return min(by_rounding, by_memory)
 
 
@@ -877,9 +883,7 @@ def embedding_float32_max_units(vocab_size, dim, dtype):
   if dim is None or dtype == tf.float64 or (
       vocab_size * dim < FLOAT32_MIN_WEIGHTS):
     return 0
-  return min(int(FLOAT32_MAX_SHRINK / (2.0 * float32_rounding())),
-             FLOAT32_CHUNK * (FLOAT32_MAX_PARTIAL_BYTES // (4 * vocab_size
-                                                           * dim)))
+  return _float32_limit(vocab_size * dim)  # no products: TF32 is moot
 
 
 def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
