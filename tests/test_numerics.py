@@ -9,6 +9,10 @@ Gram norm loses the difference), and token ids past the table (counted as
 distinct rows by the norm, added to one row by the sum). Each test measures
 ‖S(X) − S(X without the attacker)‖ ≤ C with σ = 0.
 """
+import fractions
+
+import hypothesis
+from hypothesis import strategies as st
 import keras
 import numpy as np
 import pytest
@@ -131,8 +135,9 @@ def test_guard_keeps_only_norms_within_2_to_the_minus_21():
   """A kept squared norm is at least GUARD_MARGIN = 2²¹ times its worst-case
   float64 rounding error terms·2⁻⁵³·bound², so it is within 2⁻²¹ of the true
   one; just below that the unit takes the bound (a margin of 1000 kept it,
-  and a norm up to 5·10⁻⁴ low). Ordinary long-sequence units keep their
-  exact ghost norm."""
+  and a norm up to 5·10⁻⁴ low). Ordinary long-sequence units of float64
+  inputs keep their exact ghost norm (float32 inputs take the float32 Gram
+  bound: test_float32_ghost_norms_are_certified_upper_bounds)."""
   terms, bound = 4352, np.array([3.0, 3.0])
   threshold = ghost.GUARD_MARGIN * terms * 2.0**-53 * bound[0] ** 2
   assert ghost.GUARD_MARGIN >= 2.0**21
@@ -140,12 +145,149 @@ def test_guard_keeps_only_norms_within_2_to_the_minus_21():
   got = ghost.guarded(tf.constant(sq), tf.constant(bound), terms).numpy()
   assert got[0] == bound[0] ** 2 and got[1] == sq[1]
   rng = np.random.default_rng(2)  # T = 64, p = d = 128: the Gram path
-  a = rng.normal(size=(3, 64, 128)).astype("float32")
-  d = rng.normal(size=(3, 64, 128)).astype("float32")
+  a = rng.normal(size=(3, 64, 128))
+  d = rng.normal(size=(3, 64, 128))
   assert ghost.prefer_ghost(64, 128, 128)
+  want = np.sum(np.einsum("utp,utd->upd", a, d) ** 2, axis=(1, 2))
+  np.testing.assert_allclose(ghost.linear_sq_norms(a, d), want, rtol=1e-9)
+
+
+def _exact_sq_norms(a, d):
+  """‖A_uᵀΔ_u‖²_F of the given float values, in exact rational arithmetic."""
+  out = []
+  for a_u, d_u in zip(a, d):
+    rows_a = [[fractions.Fraction(float(v)) for v in row] for row in a_u]
+    rows_d = [[fractions.Fraction(float(v)) for v in row] for row in d_u]
+    out.append(sum(
+        sum(x[i] * y[j] for x, y in zip(rows_a, rows_d)) ** 2
+        for i in range(len(rows_a[0])) for j in range(len(rows_d[0]))))
+  return out
+
+
+def _float32_gram_norms(a, d, jit):
+  return tf.function(ghost.linear_sq_norms, jit_compile=jit)(
+      tf.constant(a), tf.constant(d)).numpy()
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**32 - 1),
+                  exponents=st.lists(st.integers(-150, 60), min_size=5,
+                                     max_size=5),
+                  cancel=st.integers(0, 30), jit=st.booleans())
+def test_float32_ghost_norms_are_certified_upper_bounds(seed, exponents,
+                                                        cancel, jit):
+  """The float32 Gram path's result is ≥ the exact squared norm, whatever
+  the data: rows scaled by 2^k from denormal (read as zero under
+  flush-to-zero) to overflowing float32's Gram matrices (the triangle
+  bound), and two rows of a that cancel to 2⁻ᵏ with equal δ rows (the
+  float32 Gram matrices lose the difference). Checked in exact rational
+  arithmetic, with and without XLA."""
+  rng = np.random.default_rng(seed)
+  units, positions, p, dim = 4, 5, 24, 12
+  assert ghost.prefer_ghost(positions, p, dim)
+  scales = np.array([2.0 ** k for k in exponents])
+  a = (rng.normal(size=(units, positions, p)) * scales[:, None]).astype(
+      "float32")
+  d = (rng.normal(size=(units, positions, dim))
+       * scales[::-1, None]).astype("float32")
+  if cancel:
+    a[0, 1] = -(1 + 2.0 ** -cancel) * a[0, 0]
+    d[0, 1] = d[0, 0]
+  assert ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
+  got = _float32_gram_norms(a, d, jit)
+  for g, want in zip(got, _exact_sq_norms(a, d)):
+    assert np.isfinite(g) and fractions.Fraction(float(g)) >= want
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_float32_ghost_norms_cover_the_worst_rounding_and_underflow(jit):
+  """Two cases the bound must pay for in full. A row (1, s, …, s) of
+  p = 4,096 with s² just under half of 1's ulp: added one by one, as XLA's
+  CPU product does, every s² rounds away (the squared norm comes out 1, low
+  by ≈ (p − 1)·u: all of γ_p). Rows of 2⁻⁶⁶, whose products 2⁻¹³² are
+  flushed to zero: the Gram matrix is 0, and only the underflow terms
+  (n·2⁻¹²⁶ per entry) cover the norm."""
+  rows = np.full((2, 4096), np.float32(2.0 ** -12 * 0.99), np.float32)
+  rows[:, 0] = 1.0
+  cases = [(rows[None], np.eye(2, 8, dtype=np.float32)[[0, 0]][None]),
+           (np.full((1, 2, 24), 2.0 ** -66, np.float32),
+            np.ones((1, 2, 12), np.float32))]
+  for a, d in cases:
+    assert ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
+    got = _float32_gram_norms(a, d, jit)
+    assert fractions.Fraction(float(got[0])) >= _exact_sq_norms(a, d)[0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_float32_ghost_norms_stay_within_their_rounding_of_the_exact(jit):
+  """On ordinary data (CIFAR CNN5's third convolution: T = 49, p = 576,
+  d = 128, rows of a all positive as after a ReLU) the bound's excess is
+  about (γ_p + γ_d) times the Gram matrices' off-diagonal mass: under
+  10⁻³ of the squared norm. A unit whose float32 Gram matrix overflows
+  takes the triangle bound (Σ_t ‖a_t‖‖δ_t‖)², the others keep theirs; a
+  unit with a NaN stays non-finite (dropped by its clip factor)."""
+  rng = np.random.default_rng(3)
+  a = np.abs(rng.normal(size=(4, 49, 576))).astype("float32")
+  d = rng.normal(size=(4, 49, 128)).astype("float32")
+  a[1] *= 1e18  # ‖a_t‖² ≈ 5.8·10³⁸ > float32's largest
+  a[2, 3, 4] = np.nan
+  got = _float32_gram_norms(a, d, jit)
+  a64, d64 = a.astype(np.float64), d.astype(np.float64)
+  want = np.sum(np.einsum("utp,utd->upd", a64, d64) ** 2, axis=(1, 2))
+  ratio = got / want
+  assert 1.0 < ratio[0] < 1.0 + 1e-3 and 1.0 < ratio[3] < 1.0 + 1e-3
+  triangle = np.sum(np.linalg.norm(a64[1], axis=1)
+                    * np.linalg.norm(d64[1], axis=1)) ** 2
+  np.testing.assert_allclose(got[1], triangle, rtol=1e-9)
+  assert got[1] >= want[1] and not np.isfinite(got[2])
+
+
+def test_float32_ghost_norms_need_exact_float32_products(monkeypatch):
+  """Where oneDNN may multiply float32 in bfloat16 or TF32 (its fpmath
+  mode), or the inputs are float64, the Gram matrices are float64 and
+  guarded, as exact as before."""
+  rng = np.random.default_rng(4)
+  a = rng.normal(size=(2, 8, 64)).astype("float32")
+  d = rng.normal(size=(2, 8, 32)).astype("float32")
   want = np.sum(np.einsum("utp,utd->upd", a.astype(np.float64),
                           d.astype(np.float64)) ** 2, axis=(1, 2))
-  np.testing.assert_allclose(ghost.linear_sq_norms(a, d), want, rtol=1e-9)
+  assert ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
+  assert not ghost.float32_gram_applies(tf.constant(a, tf.float64),
+                                        tf.constant(d, tf.float64))
+  monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+  assert not ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
+  np.testing.assert_allclose(_float32_gram_norms(a, d, False), want,
+                             rtol=1e-12)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("scale,k,tiny", [(1e6, 14, False), (1e12, 20, False),
+                                          (1.0, 0, True)])
+def test_a_convolution_on_the_float32_gram_path_adds_at_most_c(jit, scale, k,
+                                                               tiny):
+  """A 3 × 3 convolution of 64 → 64 channels on 3 × 3 inputs (T = 9:
+  the float32 ghost norm) with an attacker whose positions nearly cancel,
+  or whose inputs are denormal (read as zero by float32 products under
+  flush-to-zero) against a huge label: its unit moves the sum by at most C."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((3, 3, 64)),
+                            keras.layers.Conv2D(64, 3, padding="same"),
+                            keras.layers.GlobalAveragePooling2D(),
+                            keras.layers.Dense(1)])
+  model.compile(loss="mse")
+  assert ghost.prefer_ghost(9, 576, 64) and not ghost.materializes_both(
+      9, 576, 64)
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(8, 3, 3, 64)).astype("float32")
+  y = rng.normal(size=(8, 1)).astype("float32")
+  if tiny:
+    x[0] = np.float32(1e-40) * np.sign(rng.normal(size=(3, 3, 64)))
+    y[0] = 3e38
+  else:
+    v = np.sign(rng.normal(size=64)).astype("float32")
+    x[0, :, :2], x[0, :, 2:] = scale * v, -(1 + 2.0 ** -k) * scale * v
+    y[0] = 1e6
+  assert _moved(model, x, y, 0, jit=jit) <= C * TOL
 
 
 def test_weighted_sums_of_materialized_gradients_accumulate_in_float64():

@@ -127,10 +127,13 @@ def linear_sq_norms(a, delta, scale=None):
   """‖A_uᵀΔ_u‖²_F (or ‖s ⊙ A_uᵀΔ_u‖²_F) for every unit: [U, T, p], [U, T, d] -> [U].
 
   The method is chosen from the static shapes (:func:`prefer_ghost`);
-  ``scale`` (shape [p, d]) forces materialization unless T = 1. Computed in
-  float64 and :func:`guarded`: a unit whose rows nearly cancel, or whose
-  values are tiny or huge, is never clipped by a norm below its own (the
-  sum, book-kept from the same a and δ, would then carry more than C).
+  ``scale`` (shape [p, d]) forces materialization unless T = 1. A unit
+  whose rows nearly cancel, or whose values are tiny or huge, is never
+  clipped by a norm below its own (the sum, book-kept from the same a and δ,
+  would then carry more than C): the ghost norm of float32 inputs is a
+  certified upper bound from float32 Gram matrices
+  (:func:`gram_sq_norms_upper`), every other result float64 and
+  :func:`guarded`.
   """
   a, delta = tf.convert_to_tensor(a), tf.convert_to_tensor(delta)
   positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
@@ -143,12 +146,21 @@ def linear_sq_norms(a, delta, scale=None):
     return tf.reduce_sum(
         tf.matmul(tf.square(a64), tf.square(tf.cast(scale, tf.float64)))
         * tf.square(delta64), axis=1)
-  bound = tf.reduce_sum(_row_norms(a64) * _row_norms(delta64), axis=1)
+  ghost_norm = scale is None and positions is not None and prefer_ghost(
+      positions, fan_in, fan_out)
+  if ghost_norm and float32_gram_applies(a, delta):
+    upper = gram_sq_norms_upper(a, delta)
+    # Overflow (or a non-finite a or δ, dropped downstream either way): the
+    # triangle bound, in float64.
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(upper)), lambda: upper,
+        lambda: tf.where(tf.math.is_finite(upper), upper, tf.square(
+            _triangle_bound(a64, delta64)) * (1.0 + 2.0 ** -40)))
+  bound = _triangle_bound(a64, delta64)
   if scale is not None:
     bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
   terms = (positions or 1024) ** 2 + (fan_in or 0) + (fan_out or 0)
-  if scale is None and positions is not None and prefer_ghost(
-      positions, fan_in, fan_out):
+  if ghost_norm:
     gram_a = tf.matmul(a64, a64, transpose_b=True)
     gram_d = tf.matmul(delta64, delta64, transpose_b=True)
     return guarded(tf.reduce_sum(gram_a * gram_d, axis=[1, 2]), bound, terms)
@@ -156,6 +168,111 @@ def linear_sq_norms(a, delta, scale=None):
   if scale is not None:
     grads *= tf.cast(scale, grads.dtype)
   return guarded(sum_squares(grads), bound, terms)
+
+
+# The float32 ghost norm (gram_sq_norms_upper): at most this many positions,
+# so that each float64 sum of its T² terms rounds by less than 2⁻³⁰ of the
+# sum of their magnitudes.
+FLOAT32_GRAM_MAX_POSITIONS = 2048
+# Every float32 operation: fl(x ∘ y) = (x ∘ y)(1 + ε) + η, |ε| ≤ 2⁻²⁴ and
+# |η| < 2⁻¹²⁶ (a result flushed to zero), and an input below 2⁻¹²⁶ may be
+# read as zero (the CPU's FTZ/DAZ under XLA; a GPU's ftz).
+_F32_UNDERFLOW = 2.0 ** -126
+
+
+def float32_products_exact():
+  """False where float32 products may run in a lower precision than
+  float32's (a GPU with TensorFloat-32 enabled: inputs rounded to 2⁻¹¹;
+  oneDNN's reduced fpmath modes), whose rounding no γ_n bounds."""
+  if tf.config.experimental.tensor_float_32_execution_enabled() and (
+      tf.config.list_logical_devices("GPU")):
+    return False
+  return not _reduced_cpu_matmul_precision()
+
+
+def float32_gram_applies(a, delta):
+  """Whether :func:`linear_sq_norms` takes :func:`gram_sq_norms_upper`:
+  neither side float64, T static and at most FLOAT32_GRAM_MAX_POSITIONS,
+  and float32 products exact (:func:`float32_products_exact`)."""
+  positions = a.shape[1]
+  return (a.dtype != tf.float64 and delta.dtype != tf.float64
+          and positions is not None
+          and positions <= FLOAT32_GRAM_MAX_POSITIONS
+          and float32_products_exact())
+
+
+def _gamma32(n):
+  """Higham's γ_n = nu/(1 − nu) for float32 (u = 2⁻²⁴)."""
+  return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
+
+
+def _gram_error(r, n):
+  """[U, T, T] bounds of |Ĝ_ts − G_ts|, Ĝ = fl(X Xᵀ) the float32 Gram
+  matrix of rows x_t of length n, r_t ≥ ‖x_t‖: the products and additions
+  γ_n·Σ_i|x_ti x_si| ≤ γ_n r_t r_s (Cauchy–Schwarz; any summation order or
+  blocking, with or without FMA); the results flushed to zero (n products, n
+  additions, < 2⁻¹²⁶ each) and the inputs read as zero (|x_ti| < 2⁻¹²⁶
+  drops at most 2⁻¹²⁶|x_si|: Σ_i ≤ 2⁻¹²⁶√n·r_s), doubled for the roundings
+  they then pass through."""
+  outer = r[:, :, None] * r[:, None, :]
+  return (_gamma32(n) * outer + 2.0 * _F32_UNDERFLOW * (
+      2.0 * n + math.sqrt(n) * (r[:, :, None] + r[:, None, :])))
+
+
+def _gram_row_norms(g, n):
+  """r_t ≥ ‖x_t‖ from the Gram matrix's diagonal Ĝ_tt = fl(‖x_t‖²), in
+  float64: ‖x_t‖² ≤ (Ĝ_tt + 2n·2⁻¹²⁶)/(1 − γ_n) (a sum of squares:
+  relative rounding, plus what underflow drops), raised by 2⁻⁴⁰ for the
+  float64 arithmetic here."""
+  diag = tf.cast(tf.linalg.diag_part(g), tf.float64)
+  return tf.sqrt((diag + 2.0 * n * _F32_UNDERFLOW)
+                 / (1.0 - _gamma32(n))) * (1.0 + 2.0 ** -40)
+
+
+def gram_sq_norms_upper(a, delta):
+  """An upper bound of ‖A_uᵀΔ_u‖²_F from float32 Gram matrices: [U, T, p],
+  [U, T, d] -> [U] float64 (inf or NaN where they overflow, or a or δ is
+  not finite).
+
+  The ghost norm N = Σ_ts G^a_ts G^δ_ts, with Ĝ^a = fl(A Aᵀ) and
+  Ĝ^δ = fl(Δ Δᵀ) float32 products (of float32 inputs: casts from 16-bit
+  floats are exact) and everything after in float64, where the product of
+  two float32 values is exact. With E^a ≥ |Ĝ^a − G^a| and
+  E^δ ≥ |Ĝ^δ − G^δ| elementwise (:func:`_gram_error`, from row-norm bounds
+  r^a, r^δ read off the diagonals, :func:`_gram_row_norms`),
+
+      |Σ_ts Ĝ^a Ĝ^δ − N| ≤ Σ_ts |Ĝ^a| E^δ + |Ĝ^δ| E^a + E^a E^δ
+
+  (ĜaĜδ − GaGδ = Ĝa(Ĝδ − Gδ) + Gδ(Ĝa − Ga), |Gδ| ≤ |Ĝδ| + Eδ), and the
+  float64 sum of the T² products rounds by < 2⁻³⁰ Σ_ts|Ĝ^a Ĝ^δ|. The result
+  N̂ + (those)·(1 + 2⁻²⁰) is ≥ N whatever the data: the unit is never
+  clipped by a norm below its own (the sum, book-kept in float64 from the
+  same a and δ, carries A_uᵀΔ_u), with no guard (:func:`guarded`) to fall
+  back on. The price is the bound's excess over N, about (γ_p + γ_d)·N for
+  rows of a that are far from parallel (|Ĝ^a_ts| ≪ r_t r_s off the
+  diagonal), at most (γ_p + γ_d + 2⁻³⁰)·(Σ_t r^a_t r^δ_t)²: 4·10⁻⁵ of CIFAR
+  CNN5's third convolution (p = 576, d = 128), where the float64 Gram
+  matrices took 60 of a 470 ms step on the CPU.
+  """
+  a = tf.cast(a, tf.float32)
+  delta = tf.cast(delta, tf.float32)
+  fan_in, fan_out = a.shape[2], delta.shape[2]
+  gram_a = tf.matmul(a, a, transpose_b=True)
+  gram_d = tf.matmul(delta, delta, transpose_b=True)
+  err_a = _gram_error(_gram_row_norms(gram_a, fan_in), fan_in)
+  err_d = _gram_error(_gram_row_norms(gram_d, fan_out), fan_out)
+  gram_a, gram_d = tf.cast(gram_a, tf.float64), tf.cast(gram_d, tf.float64)
+  products = gram_a * gram_d
+  error = tf.reduce_sum(tf.abs(gram_a) * err_d + tf.abs(gram_d) * err_a
+                        + err_a * err_d + 2.0 ** -30 * tf.abs(products),
+                        axis=[1, 2])
+  return tf.maximum(tf.reduce_sum(products, axis=[1, 2])
+                    + error * (1.0 + 2.0 ** -20), 0.0)
+
+
+def _triangle_bound(a64, delta64):
+  """Σ_t ‖a_t‖‖δ_t‖ ≥ ‖A_uᵀΔ_u‖_F (the triangle inequality), float64."""
+  return tf.reduce_sum(_row_norms(a64) * _row_norms(delta64), axis=1)
 
 
 def unit_linear_grads(a, delta):
