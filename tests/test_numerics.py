@@ -206,12 +206,16 @@ def test_float32_ghost_norms_cover_the_worst_rounding_and_underflow(jit):
   CPU product does, every s² rounds away (the squared norm comes out 1, low
   by ≈ (p − 1)·u: all of γ_p). Rows of 2⁻⁶⁶, whose products 2⁻¹³² are
   flushed to zero: the Gram matrix is 0, and only the underflow terms
-  (n·2⁻¹²⁶ per entry) cover the norm."""
+  (n·2⁻¹²⁶ per entry) cover the norm. Rows of 3·10³⁷ (the Gram matrix
+  overflows: the triangle bound) against δ of 1.1·10⁻³⁸, which a cast to
+  float64 reads as zero: a review's case, once 0 against 70.6."""
   rows = np.full((2, 4096), np.float32(2.0 ** -12 * 0.99), np.float32)
   rows[:, 0] = 1.0
   cases = [(rows[None], np.eye(2, 8, dtype=np.float32)[[0, 0]][None]),
            (np.full((1, 2, 24), 2.0 ** -66, np.float32),
-            np.ones((1, 2, 12), np.float32))]
+            np.ones((1, 2, 12), np.float32)),
+           (np.array([[[3e37] * 24, [-1.5e37] * 24]], np.float32),
+            np.array([[[1.1e-38] * 12, [-1.1e-38] * 12]], np.float32))]
   for a, d in cases:
     assert ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
     got = _float32_gram_norms(a, d, jit)
@@ -242,22 +246,52 @@ def test_float32_ghost_norms_stay_within_their_rounding_of_the_exact(jit):
   assert got[1] >= want[1] and not np.isfinite(got[2])
 
 
-def test_float32_ghost_norms_need_exact_float32_products(monkeypatch):
-  """Where oneDNN may multiply float32 in bfloat16 or TF32 (its fpmath
-  mode), or the inputs are float64, the Gram matrices are float64 and
-  guarded, as exact as before."""
+@pytest.mark.parametrize("setting", [
+    "ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE",
+    "TF_SET_ONEDNN_FPMATH_MODE", "TF_ENABLE_AUTO_MIXED_PRECISION",
+    "auto_mixed_precision_onednn_bfloat16", "auto_mixed_precision_mkl",
+    "auto_mixed_precision"])
+def test_float32_ghost_norms_need_exact_float32_products(monkeypatch,
+                                                         setting):
+  """Where float32 products may run in bfloat16 or TF32 — oneDNN's fpmath
+  mode (either name; a review found DNNL_… unread: a norm 0.27 of the
+  exact one, 1.94C end to end), or a Grappler mixed precision rewrite — or
+  the inputs are float64, the Gram matrices are float64 and guarded, as
+  exact as before; no float32 sum runs either."""
   rng = np.random.default_rng(4)
   a = rng.normal(size=(2, 8, 64)).astype("float32")
   d = rng.normal(size=(2, 8, 32)).astype("float32")
   want = np.sum(np.einsum("utp,utd->upd", a.astype(np.float64),
                           d.astype(np.float64)) ** 2, axis=(1, 2))
   assert ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
+  assert ghost.float32_max_units(1024, 64, tf.float32) > 0
   assert not ghost.float32_gram_applies(tf.constant(a, tf.float64),
                                         tf.constant(d, tf.float64))
-  monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
-  assert not ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
-  np.testing.assert_allclose(_float32_gram_norms(a, d, False), want,
-                             rtol=1e-12)
+  if setting.isupper():
+    monkeypatch.setenv(setting, "1" if "PRECISION" in setting else "BF16")
+  else:
+    tf.config.optimizer.set_experimental_options({setting: True})
+  try:
+    assert not ghost.float32_gram_applies(tf.constant(a), tf.constant(d))
+    assert ghost.float32_max_units(1024, 64, tf.float32) == 0
+    assert ghost.embedding_float32_max_units(10000, 16, tf.float32) == 0
+    np.testing.assert_allclose(_float32_gram_norms(a, d, False), want,
+                               rtol=1e-12)
+  finally:
+    if not setting.isupper():
+      tf.config.optimizer.set_experimental_options({setting: False})
+
+
+def test_float32_ghost_norms_need_fewer_than_2_to_the_20_features():
+  """γ_n = nu/(1 − nu) bounds n roundings only for nu < 1: past 2²⁴
+  features it went negative and a review's attacker got norm 0 (2.9·10⁷C
+  end to end). Above 2²⁰ features a side the Gram matrices are float64."""
+  wide, narrow = tf.zeros([1, 2, (1 << 20) + 1]), tf.zeros([1, 2, 1])
+  assert not ghost.float32_gram_applies(wide, narrow)
+  assert not ghost.float32_gram_applies(narrow, wide)
+  assert ghost.float32_gram_applies(tf.zeros([1, 2, 1 << 20]), narrow)
+  with pytest.raises(ValueError):
+    ghost._gamma32((1 << 20) + 1)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -288,6 +322,41 @@ def test_a_convolution_on_the_float32_gram_path_adds_at_most_c(jit, scale, k,
     x[0, :, :2], x[0, :, 2:] = scale * v, -(1 + 2.0 ** -k) * scale * v
     y[0] = 1e6
   assert _moved(model, x, y, 0, jit=jit) <= C * TOL
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_float32_sums_of_squares_are_certified_upper_bounds(jit):
+  """The shared per-unit gradients' squared norms (float32 squares added
+  k at a time, the partial sums in float64) are ≥ the exact sums, in
+  exact rational arithmetic: against the worst rounding (a 1 then squares
+  just under half its ulp, each lost when added one by one: γ_k in full),
+  denormal and flushed values, and 30 binades; a square past float32's
+  range takes the float64 sum (within 2⁻³⁰ there), a NaN stays NaN."""
+  rng = np.random.default_rng(6)
+  worst = np.full((1, 4, 64), np.float32(2.0 ** -12 * 0.99), np.float32)
+  worst[0, :, 0] = 1.0
+  wide = (rng.normal(size=(3, 16, 8))
+          * 2.0 ** rng.integers(-75, 60, size=(3, 16, 1))).astype("float32")
+  wide[0, :2] = np.float32(1e-40)  # denormal: read as zero
+  wide[1, :, :] = np.float32(2.0 ** -66)  # squares flushed to zero
+  huge = rng.normal(size=(2, 16, 8)).astype("float32")
+  huge[0, 3, 1] = 3e20
+  huge[1, 0, 0] = np.nan
+  assert ghost._float32_sum_length(tf.TensorShape([16, 8])) == 8
+  assert ghost._float32_sum_length(tf.TensorShape([2, 2048])) == 128
+  fn = tf.function(ghost.shared_sq_norms, jit_compile=jit)
+  for grads in (worst, wide, huge):
+    got = fn(tf.constant(grads)).numpy()
+    for u, g in enumerate(grads):
+      if np.isnan(g).any():
+        assert np.isnan(got[u])
+        continue
+      want = sum(fractions.Fraction(float(v)) ** 2 for v in g.ravel())
+      assert fractions.Fraction(float(got[u])) >= want
+      assert got[u] <= float(want) * (1 + 1e-5) + 1e-30
+  exact = np.sum(huge[0].astype(np.float64) ** 2)
+  np.testing.assert_allclose(fn(tf.constant(huge)).numpy()[0], exact,
+                             rtol=1e-9)
 
 
 def test_weighted_sums_of_materialized_gradients_accumulate_in_float64():

@@ -154,8 +154,8 @@ def linear_sq_norms(a, delta, scale=None):
     # triangle bound, in float64.
     return tf.cond(
         tf.reduce_all(tf.math.is_finite(upper)), lambda: upper,
-        lambda: tf.where(tf.math.is_finite(upper), upper, tf.square(
-            _triangle_bound(a64, delta64)) * (1.0 + 2.0 ** -40)))
+        lambda: tf.where(tf.math.is_finite(upper), upper,
+                         _triangle_sq_upper(a64, delta64)))
   bound = _triangle_bound(a64, delta64)
   if scale is not None:
     bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
@@ -174,6 +174,10 @@ def linear_sq_norms(a, delta, scale=None):
 # so that each float64 sum of its T² terms rounds by less than 2⁻³⁰ of the
 # sum of their magnitudes.
 FLOAT32_GRAM_MAX_POSITIONS = 2048
+# ... and at most this many features a side: γ_n = nu/(1 − nu) bounds n
+# roundings only for nu < 1, and the bounds below take γ_n ≤ 2⁻⁴ (1 + γ_n ≤ 2,
+# 1/(1 − γ_n) finite); above 2²⁴ a review made γ negative and a norm 0.
+FLOAT32_GRAM_MAX_LENGTH = 1 << 20
 # Every float32 operation: fl(x ∘ y) = (x ∘ y)(1 + ε) + η, |ε| ≤ 2⁻²⁴ and
 # |η| < 2⁻¹²⁶ (a result flushed to zero), and an input below 2⁻¹²⁶ may be
 # read as zero (the CPU's FTZ/DAZ under XLA; a GPU's ftz).
@@ -183,26 +187,32 @@ _F32_UNDERFLOW = 2.0 ** -126
 def float32_products_exact():
   """False where float32 products may run in a lower precision than
   float32's (a GPU with TensorFloat-32 enabled: inputs rounded to 2⁻¹¹;
-  oneDNN's reduced fpmath modes), whose rounding no γ_n bounds."""
+  :func:`_reduced_float32_precision`), whose rounding no γ_n bounds.
+  Read when a step is traced: a setting changed later is not seen."""
   if tf.config.experimental.tensor_float_32_execution_enabled() and (
       tf.config.list_logical_devices("GPU")):
     return False
-  return not _reduced_cpu_matmul_precision()
+  return not _reduced_float32_precision()
 
 
 def float32_gram_applies(a, delta):
   """Whether :func:`linear_sq_norms` takes :func:`gram_sq_norms_upper`:
   neither side float64, T static and at most FLOAT32_GRAM_MAX_POSITIONS,
-  and float32 products exact (:func:`float32_products_exact`)."""
-  positions = a.shape[1]
+  p and d static and at most FLOAT32_GRAM_MAX_LENGTH, and float32 products
+  exact (:func:`float32_products_exact`)."""
+  positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
   return (a.dtype != tf.float64 and delta.dtype != tf.float64
           and positions is not None
           and positions <= FLOAT32_GRAM_MAX_POSITIONS
+          and fan_in is not None and fan_in <= FLOAT32_GRAM_MAX_LENGTH
+          and fan_out is not None and fan_out <= FLOAT32_GRAM_MAX_LENGTH
           and float32_products_exact())
 
 
 def _gamma32(n):
-  """Higham's γ_n = nu/(1 − nu) for float32 (u = 2⁻²⁴)."""
+  """Higham's γ_n = nu/(1 − nu) for float32 (u = 2⁻²⁴), n ≤ 2²⁰."""
+  if not 0 <= n <= 1 << 20:
+    raise ValueError(f"γ_n of float32 for n = {n}: at most 2²⁰ roundings")
   return n * 2.0 ** -24 / (1.0 - n * 2.0 ** -24)
 
 
@@ -213,7 +223,7 @@ def _gram_error(r, n):
   blocking, with or without FMA); the results flushed to zero (n products, n
   additions, < 2⁻¹²⁶ each) and the inputs read as zero (|x_ti| < 2⁻¹²⁶
   drops at most 2⁻¹²⁶|x_si|: Σ_i ≤ 2⁻¹²⁶√n·r_s), doubled for the roundings
-  they then pass through."""
+  they then pass through (1 + γ_n ≤ 2: n ≤ FLOAT32_GRAM_MAX_LENGTH)."""
   outer = r[:, :, None] * r[:, None, :]
   return (_gamma32(n) * outer + 2.0 * _F32_UNDERFLOW * (
       2.0 * n + math.sqrt(n) * (r[:, :, None] + r[:, None, :])))
@@ -250,9 +260,10 @@ def gram_sq_norms_upper(a, delta):
   same a and δ, carries A_uᵀΔ_u), with no guard (:func:`guarded`) to fall
   back on. The price is the bound's excess over N, about (γ_p + γ_d)·N for
   rows of a that are far from parallel (|Ĝ^a_ts| ≪ r_t r_s off the
-  diagonal), at most (γ_p + γ_d + 2⁻³⁰)·(Σ_t r^a_t r^δ_t)²: 4·10⁻⁵ of CIFAR
-  CNN5's third convolution (p = 576, d = 128), where the float64 Gram
-  matrices took 60 of a 470 ms step on the CPU.
+  diagonal), at most about 2(γ_p + γ_d)·(Σ_t r^a_t r^δ_t)² (the rounded
+  sum may itself be above N by its error): 2–5·10⁻⁴ of the squared norm
+  on CIFAR CNN5's third convolution (p = 576, d = 128), where the float64
+  Gram matrices took about 50 of a 470 ms step on the CPU.
   """
   a = tf.cast(a, tf.float32)
   delta = tf.cast(delta, tf.float32)
@@ -273,6 +284,19 @@ def gram_sq_norms_upper(a, delta):
 def _triangle_bound(a64, delta64):
   """Σ_t ‖a_t‖‖δ_t‖ ≥ ‖A_uᵀΔ_u‖_F (the triangle inequality), float64."""
   return tf.reduce_sum(_row_norms(a64) * _row_norms(delta64), axis=1)
+
+
+def _triangle_sq_upper(a64, delta64):
+  """(Σ_t ‖a_t‖‖δ_t‖)², never below ‖A_uᵀΔ_u‖²_F of the float32 values:
+  each row norm raised by √n·2⁻¹²⁶ (a cast from float32 may read a value
+  below 2⁻¹²⁶ as zero) and the result by its float64 rounding (the row
+  sums of n squares, T products: ≈ (n + T)·2⁻⁵³ relative)."""
+  positions, fan_in, fan_out = (a64.shape[1] or 1 << 20, a64.shape[2] or 0,
+                                delta64.shape[2] or 0)
+  rows = lambda t, n: _row_norms(t) + math.sqrt(n) * _F32_UNDERFLOW
+  bound = tf.reduce_sum(rows(a64, fan_in) * rows(delta64, fan_out), axis=1)
+  slack = 1.0 + (fan_in + fan_out + positions + 8) * 2.0 ** -50
+  return tf.square(bound * slack)
 
 
 def unit_linear_grads(a, delta):
@@ -319,17 +343,71 @@ def shared_unit_grads(a, delta):
 
 
 def shared_sq_norms(grads, scale=None):
-  """‖ĝ_u‖² (or ‖s ⊙ ĝ_u‖²) of :func:`shared_unit_grads`, in float64.
+  """‖ĝ_u‖² (or ‖s ⊙ ĝ_u‖²) of :func:`shared_unit_grads`, never below it:
+  float32 ĝ (no scale) by :func:`float32_sq_norms_upper`, otherwise in
+  float64.
 
-  Unguarded: a sum of squares of float32 (or float64) values has no
-  cancellation to guard against (float32 squares are exact in float64), and
-  the unit's share of the sum is c_u·ĝ_u from this same ĝ_u, so ‖c_u ĝ_u‖ ≤ C
-  however ĝ_u rounded. (The triangle bound Σ_t ‖a_t‖‖δ_t‖ it was guarded
-  by took two float64 passes over the inputs: 12% of an MNIST CNN step.)"""
+  Unguarded: a sum of squares has no cancellation to guard against
+  (float32 squares are exact in float64), and the unit's share of the sum
+  is c_u·ĝ_u from this same ĝ_u, so ‖c_u ĝ_u‖ ≤ C however ĝ_u rounded.
+  (The triangle bound Σ_t ‖a_t‖‖δ_t‖ it was guarded by took two float64
+  passes over the inputs: 12% of an MNIST CNN step.)"""
+  if scale is None and grads.dtype != tf.float64 and (
+      grads.shape[1:].is_fully_defined()) and float32_products_exact():
+    upper = float32_sq_norms_upper(grads)
+    # A square past float32's range (or a non-finite ĝ, dropped either
+    # way): that unit's sum in float64, raised as float32_sq_norms_upper's.
+    n = grads.shape[1:].num_elements()
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(upper)), lambda: upper,
+        lambda: tf.where(tf.math.is_finite(upper), upper, (
+            sum_squares(grads) + 2.0 * n * _F32_UNDERFLOW) * (
+                1.0 + 2.0 ** -30)))
   grads = tf.cast(grads, tf.float64)
   if scale is not None:
     grads *= tf.cast(scale, tf.float64)
   return sum_squares(grads)
+
+
+def _float32_sum_length(shape):
+  """k, how many squares :func:`float32_sq_norms_upper` adds in float32:
+  the last axis of the per-unit shape where it is at most 1,024 (a
+  reduction over the minor axis, fused with the squares), else the divisor
+  of the n values per unit nearest 128 (64 ≤ k ≤ 512; else n's largest
+  divisor ≤ 512)."""
+  if 0 < shape[-1] <= 1024:
+    return shape[-1]
+  n = shape.num_elements()
+  divisors = [k for k in range(1, min(n, 512) + 1) if n % k == 0]
+  near = [k for k in divisors if k >= 64]
+  return min(near, key=lambda k: abs(k - 128)) if near else divisors[-1]
+
+
+def float32_sq_norms_upper(t):
+  """An upper bound of Σ t² over every axis but the first: float32 (or
+  16-bit) [U, ...] -> [U] float64, inf where a square overflows float32.
+
+  The squares are added in float32, k at a time (:func:`_float32_sum_length`),
+  and the U·n/k partial sums in float64. A float32 sum of k squares
+  (non-negative: nothing cancels) is within γ_k of the exact one,
+  relatively, in any order of addition, plus what underflow drops (squares
+  and partial sums below 2⁻¹²⁶ flushed to zero, inputs below it read as
+  zero: < 2·2⁻¹²⁶ a value), so Σ t² ≤ (Σ_c ŝ_c + 2n·2⁻¹²⁶)/(1 − γ_k),
+  raised by 2⁻³⁰ for the float64 sum (of up to 2²² partial sums) and
+  arithmetic. Its excess over the exact sum is at most γ_k ≈ k·2⁻²⁴ (2·10⁻⁶
+  at k = 32). On XLA's CPU the float64 squares and their reduction took
+  5.6 ms for an MNIST CNN's [256, 256, 32] per-unit gradients, this 2.7
+  (8.9 → 2.8 ms for CIFAR CNN5's [256, 2304, 10])."""
+  t = tf.cast(t, tf.float32)
+  n = t.shape[1:].num_elements()
+  k = _float32_sum_length(t.shape[1:]) if n else 0
+  if not n or n // k > 2 ** 22:
+    raise ValueError(f"float32_sq_norms_upper: {n} values per unit (static, "
+                     "at most 2³¹)")
+  partial = tf.reduce_sum(tf.square(tf.reshape(t, [-1, n // k, k])), axis=2)
+  sums = tf.reduce_sum(tf.cast(partial, tf.float64), axis=1)
+  return ((sums + 2.0 * n * _F32_UNDERFLOW) / (1.0 - _gamma32(k))
+          * (1.0 + 2.0 ** -30))
 
 
 def shared_grad(grads, weights):
@@ -451,14 +529,29 @@ def float32_chunk(units, max_units):
   return -(-units // count)
 
 
-def _reduced_cpu_matmul_precision():
-  """True where oneDNN may run float32 products in a lower precision
-  (``ONEDNN_DEFAULT_FPMATH_MODE`` or TensorFlow's
-  ``TF_SET_ONEDNN_FPMATH_MODE`` set to anything but STRICT: bf16, tf32 …),
-  whose rounding γ does not bound."""
-  return any(os.environ.get(name, "STRICT").strip().upper() not in (
-      "", "STRICT") for name in ("ONEDNN_DEFAULT_FPMATH_MODE",
-                                 "TF_SET_ONEDNN_FPMATH_MODE"))
+# oneDNN's fpmath mode (and its older name), and TensorFlow's own setting of it.
+_FPMATH_VARIABLES = ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE",
+                     "TF_SET_ONEDNN_FPMATH_MODE")
+# Grappler's rewrites of float32 ops to float16/bfloat16, by environment.
+_MIXED_PRECISION_VARIABLES = ("TF_ENABLE_AUTO_MIXED_PRECISION",
+                              "TF_ENABLE_AUTO_MIXED_PRECISION_GRAPH_REWRITE")
+
+
+def _reduced_float32_precision():
+  """True where float32 products may run in a lower precision: oneDNN's
+  fpmath mode set to anything but STRICT (bf16, tf32 …), or one of
+  Grappler's automatic mixed precision rewrites on (``auto_mixed_precision``
+  and its oneDNN/MKL/CPU variants: float32 ops rewritten to 16 bits), by
+  ``tf.config.optimizer`` or the environment. Read when a step is traced."""
+  if any(os.environ.get(name, "STRICT").strip().upper() not in (
+      "", "STRICT") for name in _FPMATH_VARIABLES):
+    return True
+  if any(os.environ.get(name, "").strip().lower() not in ("", "0", "false")
+         for name in _MIXED_PRECISION_VARIABLES):
+    return True
+  options = tf.config.optimizer.get_experimental_options()
+  return any(value for name, value in options.items()
+             if name.startswith("auto_mixed_precision"))
 
 
 def float32_max_units(fan_in, fan_out, dtype):
@@ -476,10 +569,7 @@ def float32_max_units(fan_in, fan_out, dtype):
   if dtype == tf.float64 or fan_in is None or fan_out is None or (
       fan_in * fan_out < FLOAT32_MIN_WEIGHTS):
     return 0
-  if tf.config.experimental.tensor_float_32_execution_enabled() and (
-      tf.config.list_logical_devices("GPU")):
-    return 0
-  if _reduced_cpu_matmul_precision():
+  if not float32_products_exact():
     return 0
   return _float32_limit(fan_in * fan_out)
 
@@ -1000,7 +1090,10 @@ def embedding_float32_max_units(vocab_size, dim, dtype):
   if dim is None or dtype == tf.float64 or (
       vocab_size * dim < FLOAT32_MIN_WEIGHTS):
     return 0
-  return _float32_limit(vocab_size * dim)  # no products: TF32 is moot
+  # No products (TF32 is moot), but a Grappler rewrite to 16 bits is not.
+  if _reduced_float32_precision():
+    return 0
+  return _float32_limit(vocab_size * dim)
 
 
 def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
