@@ -344,6 +344,12 @@ def test_float32_sums_of_squares_are_certified_upper_bounds(jit):
   huge[1, 0, 0] = np.nan
   assert ghost._float32_sum_length(tf.TensorShape([16, 8])) == 8
   assert ghost._float32_sum_length(tf.TensorShape([2, 2048])) == 128
+  # No good k, no values, or past 2²² partial sums: the float64 sum (a
+  # review found the last two raising where the float64 sum had run).
+  for shape in ([1, 1031], [4, 0], [2 ** 16, 2 ** 15], [None, 8]):
+    assert ghost._float32_sum_length(tf.TensorShape(shape)) is None
+  np.testing.assert_array_equal(
+      ghost.shared_sq_norms(tf.ones([2, 4, 0])).numpy(), [0.0, 0.0])
   fn = tf.function(ghost.shared_sq_norms, jit_compile=jit)
   for grads in (worst, wide, huge):
     got = fn(tf.constant(grads)).numpy()

@@ -353,7 +353,7 @@ def shared_sq_norms(grads, scale=None):
   (The triangle bound Σ_t ‖a_t‖‖δ_t‖ it was guarded by took two float64
   passes over the inputs: 12% of an MNIST CNN step.)"""
   if scale is None and grads.dtype != tf.float64 and (
-      grads.shape[1:].is_fully_defined()) and float32_products_exact():
+      _float32_sum_length(grads.shape[1:])) and float32_products_exact():
     upper = float32_sq_norms_upper(grads)
     # A square past float32's range (or a non-finite ĝ, dropped either
     # way): that unit's sum in float64, raised as float32_sq_norms_upper's.
@@ -371,16 +371,24 @@ def shared_sq_norms(grads, scale=None):
 
 def _float32_sum_length(shape):
   """k, how many squares :func:`float32_sq_norms_upper` adds in float32:
-  the last axis of the per-unit shape where it is at most 1,024 (a
-  reduction over the minor axis, fused with the squares), else the divisor
-  of the n values per unit nearest 128 (64 ≤ k ≤ 512; else n's largest
-  divisor ≤ 512)."""
-  if 0 < shape[-1] <= 1024:
-    return shape[-1]
+  the last axis of the per-unit shape where it is 8 to 1,024 (a reduction
+  over the minor axis, fused with the squares), else the divisor of the n
+  values per unit nearest 128 (64 ≤ k ≤ 512). None — the float64 sum —
+  where the shape is not static, n = 0, no such k, or n/k > 2²² partial
+  sums (the float64 sum's 2⁻³⁰ allowance)."""
+  if not shape.is_fully_defined() or shape.rank == 0:
+    return None
   n = shape.num_elements()
-  divisors = [k for k in range(1, min(n, 512) + 1) if n % k == 0]
-  near = [k for k in divisors if k >= 64]
-  return min(near, key=lambda k: abs(k - 128)) if near else divisors[-1]
+  if not n:
+    return None
+  if 8 <= shape[-1] <= 1024:
+    k = shape[-1]
+  else:
+    near = [k for k in range(64, min(n, 512) + 1) if n % k == 0]
+    if not near:
+      return None
+    k = min(near, key=lambda k: abs(k - 128))
+  return k if n // k <= 2 ** 22 else None
 
 
 def float32_sq_norms_upper(t):
@@ -399,11 +407,12 @@ def float32_sq_norms_upper(t):
   5.6 ms for an MNIST CNN's [256, 256, 32] per-unit gradients, this 2.7
   (8.9 → 2.8 ms for CIFAR CNN5's [256, 2304, 10])."""
   t = tf.cast(t, tf.float32)
+  k = _float32_sum_length(t.shape[1:])
+  if k is None:
+    raise ValueError(f"float32_sq_norms_upper: per-unit shape {t.shape[1:]} "
+                     "(static, n > 0 values in at most 2²² sums of 64 to "
+                     "1,024)")
   n = t.shape[1:].num_elements()
-  k = _float32_sum_length(t.shape[1:]) if n else 0
-  if not n or n // k > 2 ** 22:
-    raise ValueError(f"float32_sq_norms_upper: {n} values per unit (static, "
-                     "at most 2³¹)")
   partial = tf.reduce_sum(tf.square(tf.reshape(t, [-1, n // k, k])), axis=2)
   sums = tf.reduce_sum(tf.cast(partial, tf.float64), axis=1)
   return ((sums + 2.0 * n * _F32_UNDERFLOW) / (1.0 - _gamma32(k))
