@@ -175,7 +175,7 @@ def linear_sq_norms(a, delta, scale=None):
 # sum of their magnitudes.
 FLOAT32_GRAM_MAX_POSITIONS = 2048
 # ... and at most this many features a side: γ_n = nu/(1 − nu) bounds n
-# roundings only for nu < 1, and the bounds below take γ_n ≤ 2⁻⁴ (1 + γ_n ≤ 2,
+# roundings only for nu < 1, and the bounds below take γ_n < 0.07 (1 + γ_n ≤ 2,
 # 1/(1 − γ_n) finite); above 2²⁴ a review made γ negative and a norm 0.
 FLOAT32_GRAM_MAX_LENGTH = 1 << 20
 # Every float32 operation: fl(x ∘ y) = (x ∘ y)(1 + ε) + η, |ε| ≤ 2⁻²⁴ and
@@ -405,13 +405,12 @@ def float32_sq_norms_upper(t):
   arithmetic. Its excess over the exact sum is at most γ_k ≈ k·2⁻²⁴ (2·10⁻⁶
   at k = 32). On XLA's CPU the float64 squares and their reduction took
   5.6 ms for an MNIST CNN's [256, 256, 32] per-unit gradients, this 2.7
-  (8.9 → 2.8 ms for CIFAR CNN5's [256, 2304, 10])."""
+  (9.6 → 2.8 ms for CIFAR CNN5's [256, 2304, 10])."""
   t = tf.cast(t, tf.float32)
   k = _float32_sum_length(t.shape[1:])
   if k is None:
     raise ValueError(f"float32_sq_norms_upper: per-unit shape {t.shape[1:]} "
-                     "(static, n > 0 values in at most 2²² sums of 64 to "
-                     "1,024)")
+                     "has no float32 sum length (_float32_sum_length)")
   n = t.shape[1:].num_elements()
   partial = tf.reduce_sum(tf.square(tf.reshape(t, [-1, n // k, k])), axis=2)
   sums = tf.reduce_sum(tf.cast(partial, tf.float64), axis=1)
