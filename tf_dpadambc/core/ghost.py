@@ -137,6 +137,16 @@ def linear_sq_norms(a, delta, scale=None):
   """
   a, delta = tf.convert_to_tensor(a), tf.convert_to_tensor(delta)
   positions, fan_in, fan_out = a.shape[1], a.shape[2], delta.shape[2]
+  ghost_norm = scale is None and positions is not None and positions > 1 and (
+      prefer_ghost(positions, fan_in, fan_out))
+  if ghost_norm and float32_gram_applies(a, delta):
+    upper = gram_sq_norms_upper(a, delta)
+    # Overflow (or a non-finite a or δ, dropped downstream either way): the
+    # triangle bound, in float64 (cast in the branch: only there is it run).
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(upper)), lambda: upper,
+        lambda: tf.where(tf.math.is_finite(upper), upper, _triangle_sq_upper(
+            tf.cast(a, tf.float64), tf.cast(delta, tf.float64))))
   a64, delta64 = tf.cast(a, tf.float64), tf.cast(delta, tf.float64)
   if positions == 1:  # sums of squares: no cancellation
     a64, delta64 = a64[:, 0], delta64[:, 0]
@@ -146,16 +156,6 @@ def linear_sq_norms(a, delta, scale=None):
     return tf.reduce_sum(
         tf.matmul(tf.square(a64), tf.square(tf.cast(scale, tf.float64)))
         * tf.square(delta64), axis=1)
-  ghost_norm = scale is None and positions is not None and prefer_ghost(
-      positions, fan_in, fan_out)
-  if ghost_norm and float32_gram_applies(a, delta):
-    upper = gram_sq_norms_upper(a, delta)
-    # Overflow (or a non-finite a or δ, dropped downstream either way): the
-    # triangle bound, in float64.
-    return tf.cond(
-        tf.reduce_all(tf.math.is_finite(upper)), lambda: upper,
-        lambda: tf.where(tf.math.is_finite(upper), upper,
-                         _triangle_sq_upper(a64, delta64)))
   bound = _triangle_bound(a64, delta64)
   if scale is not None:
     bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
@@ -360,9 +360,8 @@ def shared_sq_norms(grads, scale=None):
     n = grads.shape[1:].num_elements()
     return tf.cond(
         tf.reduce_all(tf.math.is_finite(upper)), lambda: upper,
-        lambda: tf.where(tf.math.is_finite(upper), upper, (
-            sum_squares(grads) + 2.0 * n * _F32_UNDERFLOW) * (
-                1.0 + 2.0 ** -30)))
+        lambda: tf.where(tf.math.is_finite(upper), upper,
+                         _raised_sum_of_squares(sum_squares(grads), n, 0)))
   grads = tf.cast(grads, tf.float64)
   if scale is not None:
     grads *= tf.cast(scale, tf.float64)
@@ -413,7 +412,15 @@ def float32_sq_norms_upper(t):
                      "has no float32 sum length (_float32_sum_length)")
   n = t.shape[1:].num_elements()
   partial = tf.reduce_sum(tf.square(tf.reshape(t, [-1, n // k, k])), axis=2)
-  sums = tf.reduce_sum(tf.cast(partial, tf.float64), axis=1)
+  return _raised_sum_of_squares(
+      tf.reduce_sum(tf.cast(partial, tf.float64), axis=1), n, k)
+
+
+def _raised_sum_of_squares(sums, n, k):
+  """(Σ + 2n·2⁻¹²⁶)/(1 − γ_k)·(1 + 2⁻³⁰): ≥ the exact sum of n squares
+  whose float64 ``sums`` added them k at a time in float32 (k = 0: squares
+  and sums in float64, where only a cast's denormals-as-zero and the
+  float64 rounding are paid for)."""
   return ((sums + 2.0 * n * _F32_UNDERFLOW) / (1.0 - _gamma32(k))
           * (1.0 + 2.0 ** -30))
 
