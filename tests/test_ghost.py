@@ -12,6 +12,7 @@ import tensorflow as tf
 import tf_dpadambc as dp
 from tf_dpadambc.core import clipping
 from tf_dpadambc.core import ghost
+from tf_dpadambc.core import unit_chunks
 from tf_dpadambc.keras import training
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -527,6 +528,22 @@ def test_a_recurrent_model_running_python_in_its_loop_is_refused():
     ghost_sum(model, x, y, None, clipping.ClipSpec(1.0), None, method="auto")
 
 
+@pytest.fixture(params=["one pass", "chunks of 4 units"])
+def unit_chunking(request, monkeypatch):
+  """Runs a test as written and with every per-unit loop of
+  ``core.unit_chunks`` forced on static batches of 5 or more units: chunks
+  of 4 (the last one filled with copies of the last unit), and one
+  float32 table per loop iteration (pooled embedding sums)."""
+  if request.param != "one pass":
+    monkeypatch.setattr(unit_chunks, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(
+        unit_chunks, "chunk_size",
+        lambda units, bytes_per_unit, shared_bytes=0, budget=None: (
+            None if units is None or bytes_per_unit is None or units <= 4
+            else 4))
+  return request.param
+
+
 def _embedding_sq_norms_reference(ids, delta, vocab):
   grads = np.zeros((ids.shape[0], vocab, delta.shape[2]))
   for u in range(ids.shape[0]):
@@ -537,13 +554,15 @@ def _embedding_sq_norms_reference(ids, delta, vocab):
 @pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("padding", [True, False])
 @pytest.mark.parametrize("jit", [False, True])
-def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding, static):
+def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding, static,
+                                                        unit_chunking):
   """δ rows that are one row per unit (mean pooling; zero rows where padding
   is masked) take the counting shortcut — without padding, after a check
   that all rows are equal; any other δ the sorted row sums. All equal the
   materialized ‖∇E_u‖² (ids repeat: vocabulary 7). A static batch runs the
   shortcut unconditionally (the fallback under a cond), an unknown one
-  under conds."""
+  under conds; in one pass and over chunks of units (``unit_chunking``)."""
+  del unit_chunking
   rng = np.random.default_rng(3)
   units, length, vocab, dim = 5, 12, 7, 3
   ids = rng.integers(0, vocab, (units, length))
@@ -666,39 +685,54 @@ def test_embedding_counters_at_the_edge_of_their_dtype(length, rows):
 @pytest.mark.parametrize("counters", ["fit", "do not fit"])
 @pytest.mark.parametrize("static", [True, False])
 def test_embedding_row_sums_by_first_position_and_by_sort(counters, static,
-                                                          monkeypatch):
+                                                          monkeypatch,
+                                                          unit_chunking):
   """The per-unit row sums (first position of each id where the U·vocab
   counters fit, a sort otherwise; the batch size static or not) give the
-  materialized norms, and Σ_u w_u² ∇E_u⊙∇E_u; ids repeat and some are out
-  of range (clamped, as the lookup does under XLA)."""
+  materialized norms, Σ_u w_u ∇E_u (float64) and Σ_u w_u² ∇E_u⊙∇E_u; ids
+  repeat and some are out of range (clamped, as the lookup does under
+  XLA). In one pass and over chunks of units (``unit_chunking``: 4 + 2
+  units, and 4 + 1 with the last unit's copies in the second chunk): a
+  zero-weight unit whose rows are NaN adds nothing either way."""
+  del unit_chunking
   if counters == "do not fit":
     monkeypatch.setattr(ghost, "_MAX_COUNTERS", 8)
   rng = np.random.default_rng(11)
   units, length, vocab, dim = 6, 9, 5, 4
-  ids = rng.integers(0, vocab, (units, length))
-  ids[1, 2], ids[2, 0] = vocab + 3, -1
-  delta = rng.normal(size=(units, length, dim)).astype(np.float32)
-  weights = np.array([1.0, 0.5, 0.0, 2.0, 1.0, 0.25], np.float32)
-  clamped = np.clip(ids, 0, vocab - 1)
-  grads = np.zeros((units, vocab, dim))
-  for u in range(units):
-    np.add.at(grads[u], clamped[u], delta[u].astype(np.float64))
-  spec = [tf.TensorSpec([None if not static else units, length], tf.int64),
-          tf.TensorSpec([None if not static else units, length, dim],
-                        tf.float32),
-          tf.TensorSpec([None if not static else units], tf.float32)]
-  for jit in (False, True):
-    fn = tf.function(lambda i, d, w: (
-        ghost.embedding_sq_norms(i, d, vocab),
-        ghost.embedding_square_sum(i, d, w, vocab)),
-                     input_signature=spec, jit_compile=jit)
-    norms, squares = fn(tf.constant(ids), tf.constant(delta),
-                        tf.constant(weights))
-    np.testing.assert_allclose(norms.numpy(), np.sum(grads ** 2, (1, 2)),
-                               rtol=1e-6)
-    np.testing.assert_allclose(
-        squares.numpy(), np.einsum("u,uvd->vd", weights ** 2, grads ** 2),
-        rtol=1e-5, atol=1e-7)
+  for units in (6, 5):
+    ids = rng.integers(0, vocab, (units, length))
+    ids[1, 2], ids[2, 0] = vocab + 3, -1
+    delta = rng.normal(size=(units, length, dim)).astype(np.float32)
+    weights = np.array([1.0, 0.5, 0.0, 2.0, 1.0, 0.25][:units], np.float32)
+    clamped = np.clip(ids, 0, vocab - 1)
+    grads = np.zeros((units, vocab, dim))
+    for u in range(units):
+      np.add.at(grads[u], clamped[u], delta[u].astype(np.float64))
+    spec = [tf.TensorSpec([None if not static else units, length], tf.int64),
+            tf.TensorSpec([None if not static else units, length, dim],
+                          tf.float32),
+            tf.TensorSpec([None if not static else units], tf.float32)]
+    nan_unit = delta.copy()
+    nan_unit[2, 1, 0] = np.nan  # weight 0: adds exactly nothing
+    for jit in (False, True):
+      fn = tf.function(lambda i, d, w: (
+          ghost.embedding_sq_norms(i, d, vocab),
+          ghost.embedding_square_sum(i, d, w, vocab),
+          ghost.embedding_grad(i, d, w, vocab)),
+                       input_signature=spec, jit_compile=jit)
+      norms, squares, sums = fn(tf.constant(ids), tf.constant(delta),
+                                tf.constant(weights))
+      np.testing.assert_allclose(norms.numpy(), np.sum(grads ** 2, (1, 2)),
+                                 rtol=1e-6)
+      np.testing.assert_allclose(
+          squares.numpy(), np.einsum("u,uvd->vd", weights ** 2, grads ** 2),
+          rtol=1e-5, atol=1e-7)
+      np.testing.assert_allclose(
+          sums.numpy(), np.einsum("u,uvd->vd", weights, grads), rtol=1e-12,
+          atol=1e-12)
+      dropped = fn(tf.constant(ids), tf.constant(nan_unit),
+                   tf.constant(weights))[2].numpy()
+      np.testing.assert_array_equal(dropped, sums.numpy())
 
 
 @pytest.mark.parametrize("kernel,strides,padding,dilation", [
@@ -1121,8 +1155,8 @@ def _count_at_first(ids, nonzero):
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("max_units", [1771, 77])
-def test_pooled_embedding_float32_sum_within_its_rounding_bound(jit,
-                                                                max_units):
+def test_pooled_embedding_float32_sum_within_its_rounding_bound(
+    jit, max_units, unit_chunking):
   """pooled_embedding_grad (one float32 term n_uv·w_u·g_u per unit and id,
   chunks of K units summed in float64) differs from the exact
   Σ_u w_u n_uv g_u by at most γ_K·Σ_u |w_u n_uv g_u| elementwise, K the
@@ -1130,7 +1164,11 @@ def test_pooled_embedding_float32_sum_within_its_rounding_bound(jit,
   (L = 77), on rows spanning 30 binades whose units cancel each other, one
   token in every unit (K terms in its entries), ids repeated in a unit and
   out of range (clamped). The counts at first positions match a count in
-  NumPy, with and without padding positions; a zero-weight unit adds 0."""
+  NumPy, with and without padding positions; a zero-weight unit adds 0.
+  In one pass and over chunks of units (``unit_chunking``: the counts 4
+  units at a time; the sum one table per loop iteration, 26 + 26 + 25
+  units at L = 77)."""
+  del unit_chunking
   rng = np.random.default_rng(29)
   units, length, vocab, dim = 77, 9, 13, 5
   ids = rng.integers(0, vocab, (units, length))
@@ -1197,12 +1235,15 @@ def _embedding_bag(vocab, masked=False):
 
 
 @pytest.mark.parametrize("case", ["pooled", "padding mask", "too many units"])
-def test_embedding_float32_sum_clips_at_the_shrunk_norm(case, monkeypatch):
+def test_embedding_float32_sum_clips_at_the_shrunk_norm(case, monkeypatch,
+                                                       unit_chunking):
   """An embedding whose table may take the float32 sum (2,048 × 16) clips
   every unit at C/(1 + 2γL), L of the table alone, whether the sum takes
   float32 (pooled rows) or float64 (a padding mask makes the rows differ;
   more units than L): the sum equals the per-example reference clipped
-  there, and which sum ran is checked."""
+  there, and which sum ran is checked. In one pass and over chunks of
+  units (``unit_chunking``)."""
+  del unit_chunking
   if case == "too many units":
     monkeypatch.setattr(ghost, "FLOAT32_MAX_SHRINK", 2.0 ** -14)
   vocab = 2048

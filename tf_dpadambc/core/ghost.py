@@ -32,6 +32,7 @@ import os
 import tensorflow as tf
 
 from tf_dpadambc.core import clipping
+from tf_dpadambc.core import unit_chunks
 from tf_dpadambc.core import xla_hints
 
 
@@ -917,7 +918,19 @@ def _first_counts(ids, nonzero, vocab_size):
   the U·T first positions counts them: integers, exact. The positions that
   do not count are dropped from both scatters (segment id −1). One term
   per (unit, id) is what the float32 sum needs
-  (:func:`pooled_embedding_grad`), and Σ_t n_ut² = Σ_v n_uv² the norm."""
+  (:func:`pooled_embedding_grad`), and Σ_t n_ut² = Σ_v n_uv² the norm.
+  Over chunks of units where the counters would pass
+  ``unit_chunks.CHUNK_BYTES`` (10 MB at 1,024 units of a 10k vocabulary)."""
+  length = ids.shape[1]
+  chunk = None if length is None else unit_chunks.chunk_size(
+      ids.shape[0], 2 * vocab_size * tf.as_dtype(
+          _counter_dtype(length, -1)).size + 16 * length)
+  if chunk is not None:  # each unit's counts are its own
+    parts = (ids,) if nonzero is None else (ids, nonzero)
+    return unit_chunks.map_chunks(
+        lambda t: (_first_counts(t[0], None if nonzero is None else t[1],
+                                 vocab_size),),
+        parts, chunk, (tf.TensorSpec([length], tf.int32),))[0]
   num_units, length = tf.shape(ids)[0], tf.shape(ids)[1]
   keys = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
           + tf.range(num_units)[:, None] * vocab_size)
@@ -963,6 +976,20 @@ def _pooled_sq_norms(ids, g, nonzero, vocab_size):
       tf.reduce_sum(tf.cast(nonzero, tf.float64), 1))
 
 
+_PER_UNIT_NORM = (tf.TensorSpec([], tf.float64),) * 2  # (‖·‖², bound)
+
+
+def _segment_bytes(length, dim, vocab_size):
+  """What one unit's buffers take in :func:`_sorted_with_bound` (None where
+  T or d is unknown): four float64 copies of its T × d rows (δ, the
+  gathered rows, the sums and their squares), its keys, and two copies of
+  its vocab counters (``_segments_by_first``; the sort's are smaller)."""
+  if length is None or dim is None:
+    return None
+  return length * (4 * 8 * dim + 16) + 2 * vocab_size * tf.as_dtype(
+      _counter_dtype(length, -1)).size
+
+
 def _sorted_sq_norms(ids, delta64, vocab_size, scale):
   """‖∇E_u‖² from each unit's row sums, formed by sorting its ids."""
   sums, _, token = _segments(ids, delta64, vocab_size)
@@ -974,11 +1001,39 @@ def _sorted_sq_norms(ids, delta64, vocab_size, scale):
 
 
 def _sorted_with_bound(ids, delta, vocab_size, scale):
+  """(‖∇E_u‖² of :func:`_sorted_sq_norms`, Σ_t ‖δ_t‖), over chunks of units
+  where their float64 copies of δ and counters would pass
+  ``unit_chunks.CHUNK_BYTES`` (each unit's values from its own rows)."""
+  chunk = unit_chunks.chunk_size(ids.shape[0], _segment_bytes(
+      ids.shape[1], delta.shape[2], vocab_size))
+  if chunk is not None:
+    return unit_chunks.map_chunks(
+        lambda t: _sorted_with_bound(t[0], t[1], vocab_size, scale),
+        (ids, delta), chunk, _PER_UNIT_NORM)
   delta64 = tf.cast(delta, tf.float64)
   bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
   if scale is not None:
     bound *= tf.reduce_max(tf.abs(tf.cast(scale, tf.float64)))
   return _sorted_sq_norms(ids, delta64, vocab_size, scale), bound
+
+
+def _masked_rows_with_bound(ids, delta, vocab_size):
+  """(‖∇E_u‖², bound) where padding positions (zero rows) may sit between a
+  unit's equal rows: by counting where every unit's non-zero rows are one
+  row (:func:`_one_row_per_unit`), else sorted. Over chunks of units where
+  their copies would pass ``unit_chunks.CHUNK_BYTES`` (the check's
+  [K, T, d] selects, the counters, the sorted path's rows), each chunk
+  choosing for its own units: either way a unit's norm is its own."""
+  chunk = unit_chunks.chunk_size(ids.shape[0], _segment_bytes(
+      ids.shape[1], delta.shape[2], vocab_size))
+  if chunk is not None:
+    return unit_chunks.map_chunks(
+        lambda t: _masked_rows_with_bound(t[0], t[1], vocab_size),
+        (ids, delta), chunk, _PER_UNIT_NORM)
+  pooled, g, nonzero = _one_row_per_unit(delta)
+  return tf.cond(pooled,
+                 lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
+                 lambda: _sorted_with_bound(ids, delta, vocab_size, None))
 
 
 PooledLookup = collections.namedtuple(
@@ -1037,12 +1092,7 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None, lookup=None):
   if scale is None and lookup is not None:
     delta = lookup.delta
   sorted_sq = lambda: _sorted_with_bound(ids, delta, vocab_size, scale)
-
-  def masked_rows():  # padding positions (zero rows) between them
-    pooled, g, nonzero = _one_row_per_unit(delta)
-    return tf.cond(pooled,
-                   lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),
-                   sorted_sq)
+  masked_rows = lambda: _masked_rows_with_bound(ids, delta, vocab_size)
   units = ids.shape[0]
   fits = units is not None and units * vocab_size <= _MAX_COUNTERS
   if scale is None and lookup is not None:
@@ -1073,7 +1123,21 @@ def embedding_sq_norms(ids, delta, vocab_size, scale=None, lookup=None):
 
 
 def embedding_square_sum(ids, delta, weights, vocab_size):
-  """Σ_u w_u² ∇E_u⊙∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d]."""
+  """Σ_u w_u² ∇E_u⊙∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d].
+  Over chunks of units where their row sums would pass
+  ``unit_chunks.CHUNK_BYTES`` and a [vocab, d] table."""
+  delta = tf.convert_to_tensor(delta)
+  dim = delta.shape[2]
+  chunk = None if dim is None else unit_chunks.chunk_size(
+      ids.shape[0], _segment_bytes(ids.shape[1], dim, vocab_size),
+      shared_bytes=8 * vocab_size * dim)
+  if chunk is not None:
+    return unit_chunks.sum_chunks(
+        lambda t, real: embedding_square_sum(
+            t[0], t[1], tf.where(real, t[2], tf.zeros_like(t[2])),
+            vocab_size),
+        (ids, delta, weights), chunk, tf.zeros([vocab_size, dim],
+                                               tf.float64))
   weights = tf.cast(weights, tf.float64)
   sums, unit, token = _segments(
       ids, masked(tf.cast(delta, tf.float64), weights != 0), vocab_size)
@@ -1084,8 +1148,21 @@ def embedding_square_sum(ids, delta, weights, vocab_size):
 
 def embedding_grad(ids, delta, weights, vocab_size):
   """Σ_u w_u ∇E_u: ids [U, T], δ [U, T, d], w [U] -> [vocab, d], in
-  float64 (as the norms: see linear_grad)."""
+  float64 (as the norms: see linear_grad). Summed over chunks of units
+  (``unit_chunks.sum_chunks``) where the float64 rows of all units would
+  pass ``unit_chunks.CHUNK_BYTES`` and a [vocab, d] table."""
   delta, weights = tf.convert_to_tensor(delta), tf.convert_to_tensor(weights)
+  length, dim = delta.shape[1], delta.shape[2]
+  chunk = None if length is None or dim is None else unit_chunks.chunk_size(
+      ids.shape[0], 2 * 8 * length * dim + 8 * length,
+      shared_bytes=8 * vocab_size * dim)
+  if chunk is not None:
+    return unit_chunks.sum_chunks(
+        lambda t, real: embedding_grad(
+            t[0], t[1], tf.where(real, t[2], tf.zeros_like(t[2])),
+            vocab_size),
+        (ids, delta, weights), chunk, tf.zeros([vocab_size, dim],
+                                               tf.float64))
   weighted = masked(tf.cast(delta, tf.float64), weights != 0) * tf.cast(
       weights, tf.float64)[:, None, None]
   return tf.math.unsorted_segment_sum(
@@ -1135,6 +1212,31 @@ def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   add exactly 0 (their g is finite: pooled rows are checked finite)."""
   units = ids.shape[0]
   chunk = float32_chunk(units, max_units)
+  dim = rows.shape[-1]
+  # Groups of at most G chunks (G tables within CHUNK_BYTES), one group
+  # at a time, its tables added into a float64 total: tables of at most K
+  # units as below, never more than G in memory (all ⌈U/K⌉ at once took
+  # 10 MB of an embedding bag's step at 1,024 units). Balanced groups: the
+  # last one's copies of the last unit (weight 0) fill only a few rows.
+  tables = None if dim is None else max(
+      1, unit_chunks.CHUNK_BYTES // (4 * vocab_size * dim))
+  if units is not None and dim is not None and units > tables * chunk:
+    groups = -(-units // (tables * chunk))
+    return tf.cast(unit_chunks.sum_chunks(
+        lambda t, real: _summed_tables(_pooled_tables(
+            t[0], t[1], t[2], tf.where(real, t[3], tf.zeros_like(t[3])),
+            vocab_size, chunk), vocab_size),
+        (ids, rows, counts, weights), -(-units // groups),
+        tf.zeros([vocab_size, dim], tf.float64)), tf.float32)
+  partial = _pooled_tables(ids, rows, counts, weights, vocab_size, chunk)
+  if units is not None and units <= chunk:
+    return partial  # one table: nothing to add in float64
+  return tf.cast(_summed_tables(partial, vocab_size), tf.float32)
+
+
+def _pooled_tables(ids, rows, counts, weights, vocab_size, chunk):
+  """The float32 partial tables of :func:`pooled_embedding_grad`, units
+  0..K−1 in the first, K..2K−1 in the second, ...: [⌈U/K⌉·vocab, d]."""
   num_units = tf.shape(ids)[0]
   count = (num_units + chunk - 1) // chunk
   weights = tf.cast(weights, tf.float64)
@@ -1144,14 +1246,15 @@ def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   table = (tf.cast(_rows_of(ids, vocab_size), tf.int32)
            + (tf.range(num_units) // chunk)[:, None] * vocab_size)
   table = tf.where(counts > 0, table, -1)
-  partial = tf.math.unsorted_segment_sum(
+  return tf.math.unsorted_segment_sum(
       tf.reshape(terms, [-1, tf.shape(terms)[-1]]), tf.reshape(table, [-1]),
       count * vocab_size)
-  if units is not None and units <= chunk:
-    return partial  # one table: nothing to add in float64
-  return tf.cast(tf.reduce_sum(tf.cast(tf.reshape(
-      partial, [count, vocab_size, tf.shape(terms)[-1]]), tf.float64), 0),
-                 tf.float32)
+
+
+def _summed_tables(partial, vocab_size):
+  """[n·vocab, d] float32 tables -> their float64 sum [vocab, d]."""
+  return tf.reduce_sum(tf.cast(tf.reshape(
+      partial, [-1, vocab_size, tf.shape(partial)[-1]]), tf.float64), 0)
 
 
 def conv_patches(x, kernel_size, strides, padding, dilation_rate):
