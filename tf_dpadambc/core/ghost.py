@@ -1213,13 +1213,15 @@ def pooled_embedding_grad(ids, rows, counts, weights, vocab_size, max_units):
   units = ids.shape[0]
   chunk = float32_chunk(units, max_units)
   dim = rows.shape[-1]
-  # Groups of at most G chunks (G tables within CHUNK_BYTES), one group
+  # Groups of at most G chunks (G tables within 2·CHUNK_BYTES), one group
   # at a time, its tables added into a float64 total: tables of at most K
-  # units as below, never more than G in memory (all ⌈U/K⌉ at once took
-  # 10 MB of an embedding bag's step at 1,024 units). Balanced groups: the
-  # last one's copies of the last unit (weight 0) fill only a few rows.
+  # units as below, never more than G in memory. All ⌈U/K⌉ at once (and
+  # their terms) took 11 MB more of an embedding bag's peak at 1,024 units
+  # (47.2 against 36.1 MiB; the loop cost about 1 ms of its 20 ms step).
+  # Balanced groups: the last one's copies of the last unit (weight 0)
+  # fill only a few rows.
   tables = None if dim is None else max(
-      1, unit_chunks.CHUNK_BYTES // (4 * vocab_size * dim))
+      1, 2 * unit_chunks.CHUNK_BYTES // (4 * vocab_size * dim))
   if units is not None and dim is not None and units > tables * chunk:
     groups = -(-units // (tables * chunk))
     return tf.cast(unit_chunks.sum_chunks(

@@ -46,6 +46,14 @@ def _rows(num_units, chunk, c):
   return tf.minimum(rows, num_units - 1), rows < num_units
 
 
+def _take(t, rows, chunk, c):
+  """Chunk c's rows of t: a slice where the chunks tile U exactly (XLA
+  reads it in place), else a gather of ``rows``."""
+  if t.shape[0] % chunk == 0:
+    return tf.reshape(t, [-1, chunk] + t.shape[1:].as_list())[c]
+  return tf.gather(t, rows)
+
+
 def map_chunks(fn, tensors, chunk, specs):
   """``fn(tensors)`` of per-unit values, computed K = ``chunk`` units at a
   time: ``fn`` takes tensors with leading axis K (the chunk's rows of each
@@ -61,7 +69,8 @@ def map_chunks(fn, tensors, chunk, specs):
 
   def body(c, arrays):
     rows, _ = _rows(num_units, chunk, c)
-    out = fn(tf.nest.map_structure(lambda t: tf.gather(t, rows), tensors))
+    out = fn(tf.nest.map_structure(lambda t: _take(t, rows, chunk, c),
+                                  tensors))
     return c + 1, tuple(a.write(c, o) for a, o in zip(arrays, out))
 
   arrays = tuple(tf.TensorArray(spec.dtype, size=count,
@@ -85,7 +94,8 @@ def sum_chunks(fn, tensors, chunk, initial):
 
   def body(c, total):
     rows, real = _rows(num_units, chunk, c)
-    part = fn(tf.nest.map_structure(lambda t: tf.gather(t, rows), tensors),
+    part = fn(tf.nest.map_structure(lambda t: _take(t, rows, chunk, c),
+                                   tensors),
               real)
     return c + 1, total + part
 
