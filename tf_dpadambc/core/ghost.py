@@ -1127,23 +1127,33 @@ def embedding_square_sum(ids, delta, weights, vocab_size):
   Over chunks of units where their row sums would pass
   ``unit_chunks.CHUNK_BYTES`` and a [vocab, d] table."""
   delta = tf.convert_to_tensor(delta)
-  dim = delta.shape[2]
-  chunk = None if dim is None else unit_chunks.chunk_size(
-      ids.shape[0], _segment_bytes(ids.shape[1], dim, vocab_size),
-      shared_bytes=8 * vocab_size * dim)
-  if chunk is not None:
-    return unit_chunks.sum_chunks(
-        lambda t, real: embedding_square_sum(
-            t[0], t[1], tf.where(real, t[2], tf.zeros_like(t[2])),
-            vocab_size),
-        (ids, delta, weights), chunk, tf.zeros([vocab_size, dim],
-                                               tf.float64))
+  chunked = _table_over_chunks(
+      embedding_square_sum, ids, delta, weights, vocab_size,
+      _segment_bytes(ids.shape[1], delta.shape[2], vocab_size))
+  if chunked is not None:
+    return chunked
   weights = tf.cast(weights, tf.float64)
   sums, unit, token = _segments(
       ids, masked(tf.cast(delta, tf.float64), weights != 0), vocab_size)
   w = tf.gather(weights, unit)
   return tf.math.unsorted_segment_sum(
       tf.square(sums * w[:, None]), tf.cast(token, tf.int32), vocab_size)
+
+
+def _table_over_chunks(fn, ids, delta, weights, vocab_size, bytes_per_unit):
+  """``fn(ids, δ, w, vocab)`` -> float64 [vocab, d], summed over chunks of
+  units (the filler copies weighted 0) where ``bytes_per_unit`` (None:
+  unknown) of all units would pass ``unit_chunks.CHUNK_BYTES`` and a
+  [vocab, d] table; None where one pass stays within them."""
+  dim = delta.shape[2]
+  chunk = None if dim is None else unit_chunks.chunk_size(
+      ids.shape[0], bytes_per_unit, shared_bytes=8 * vocab_size * dim)
+  if chunk is None:
+    return None
+  return unit_chunks.sum_chunks(
+      lambda t, real: fn(t[0], t[1], tf.where(real, t[2], tf.zeros_like(t[2])),
+                         vocab_size),
+      (ids, delta, weights), chunk, tf.zeros([vocab_size, dim], tf.float64))
 
 
 def embedding_grad(ids, delta, weights, vocab_size):
@@ -1153,16 +1163,11 @@ def embedding_grad(ids, delta, weights, vocab_size):
   pass ``unit_chunks.CHUNK_BYTES`` and a [vocab, d] table."""
   delta, weights = tf.convert_to_tensor(delta), tf.convert_to_tensor(weights)
   length, dim = delta.shape[1], delta.shape[2]
-  chunk = None if length is None or dim is None else unit_chunks.chunk_size(
-      ids.shape[0], 2 * 8 * length * dim + 8 * length,
-      shared_bytes=8 * vocab_size * dim)
-  if chunk is not None:
-    return unit_chunks.sum_chunks(
-        lambda t, real: embedding_grad(
-            t[0], t[1], tf.where(real, t[2], tf.zeros_like(t[2])),
-            vocab_size),
-        (ids, delta, weights), chunk, tf.zeros([vocab_size, dim],
-                                               tf.float64))
+  chunked = _table_over_chunks(
+      embedding_grad, ids, delta, weights, vocab_size,
+      None if length is None or dim is None else 8 * length * (2 * dim + 1))
+  if chunked is not None:
+    return chunked
   weighted = masked(tf.cast(delta, tf.float64), weights != 0) * tf.cast(
       weights, tf.float64)[:, None, None]
   return tf.math.unsorted_segment_sum(

@@ -46,12 +46,14 @@ def _rows(num_units, chunk, c):
   return tf.minimum(rows, num_units - 1), rows < num_units
 
 
-def _take(t, rows, chunk, c):
-  """Chunk c's rows of t: a slice where the chunks tile U exactly (XLA
-  reads it in place), else a gather of ``rows``."""
-  if t.shape[0] % chunk == 0:
-    return tf.reshape(t, [-1, chunk] + t.shape[1:].as_list())[c]
-  return tf.gather(t, rows)
+def _chunk(tensors, num_units, chunk, c):
+  """(chunk c's rows of each of ``tensors``, which rows are real): a slice
+  where the chunks tile U exactly (XLA reads it in place), else a gather
+  of the rows, clamped to the last unit."""
+  rows, real = _rows(num_units, chunk, c)
+  take = lambda t: (tf.reshape(t, [-1, chunk] + t.shape[1:].as_list())[c]
+                    if t.shape[0] % chunk == 0 else tf.gather(t, rows))
+  return tf.nest.map_structure(take, tensors), real
 
 
 def map_chunks(fn, tensors, chunk, specs):
@@ -68,9 +70,7 @@ def map_chunks(fn, tensors, chunk, specs):
   count = -(-num_units // chunk)
 
   def body(c, arrays):
-    rows, _ = _rows(num_units, chunk, c)
-    out = fn(tf.nest.map_structure(lambda t: _take(t, rows, chunk, c),
-                                  tensors))
+    out = fn(_chunk(tensors, num_units, chunk, c)[0])
     return c + 1, tuple(a.write(c, o) for a, o in zip(arrays, out))
 
   arrays = tuple(tf.TensorArray(spec.dtype, size=count,
@@ -93,10 +93,7 @@ def sum_chunks(fn, tensors, chunk, initial):
   count = -(-num_units // chunk)
 
   def body(c, total):
-    rows, real = _rows(num_units, chunk, c)
-    part = fn(tf.nest.map_structure(lambda t: _take(t, rows, chunk, c),
-                                   tensors),
-              real)
+    part = fn(*_chunk(tensors, num_units, chunk, c))
     return c + 1, total + part
 
   return tf.while_loop(lambda c, _: c < count, body,
