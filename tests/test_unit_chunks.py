@@ -16,6 +16,14 @@ def test_chunk_size_balances_chunks_within_the_budget():
   assert unit_chunks.chunk_size(11, 10, budget=100) == 6  # 2 chunks: 6 + 5
   assert unit_chunks.chunk_size(1000, 10, budget=100) == 10
   assert unit_chunks.chunk_size(5, 1000, budget=100) == 1
+  # A chunk's own call takes one pass (a unit past the budget alone once
+  # chunked its one-unit chunk again, without end).
+  assert unit_chunks.chunk_size(1, 1000, budget=100) is None
+  for units in range(2, 40):
+    for size in (1, 7, 30, 101):
+      chunk = unit_chunks.chunk_size(units, size, budget=100)
+      if chunk is not None:
+        assert unit_chunks.chunk_size(chunk, size, budget=100) is None
   assert unit_chunks.chunk_size(30, 10, shared_bytes=150, budget=100) == 15
 
 

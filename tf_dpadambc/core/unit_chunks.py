@@ -24,15 +24,17 @@ CHUNK_BYTES = 1 << 22
 
 def chunk_size(units, bytes_per_unit, shared_bytes=0, budget=None):
   """K, the units per chunk, or None where one pass over all units stays
-  within the budget (or U is unknown when traced).
+  within the budget (or U is unknown when traced, or U ≤ 1). K·bytes is
+  within the budget, or K = 1: a chunk's own call takes one pass.
 
   ``bytes_per_unit``: what one unit's buffers take (None: unknown, no
-  loop); ``shared_bytes``: what
-  every iteration takes whatever K (a [vocab, d] table added per chunk),
+  loop); ``shared_bytes``: what every iteration takes whatever K (a [vocab, d] table added per chunk),
   raising the budget to it so that the loop's own overhead stays below its
   work. The chunks are balanced: ⌈U/K⌉ of them, K = ⌈U/count⌉."""
   budget = max(CHUNK_BYTES if budget is None else budget, shared_bytes)
-  if units is None or bytes_per_unit is None or (
+  # One unit is never split (a chunk's own call must not loop again, even
+  # where one unit alone passes the budget).
+  if units is None or bytes_per_unit is None or units <= 1 or (
       units * bytes_per_unit <= budget):
     return None
   largest = max(1, int(budget // max(bytes_per_unit, 1)))
