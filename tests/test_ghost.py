@@ -1350,3 +1350,29 @@ def test_a_layer_called_inside_control_flow_takes_the_exact_path():
   assert "control flow" in str(dp.clipping_plan(model))
   with pytest.raises(ValueError, match="control flow"):
     ghost_sum(model, x, y, None, spec, None, method="ghost")
+
+
+def test_embedding_loops_with_every_unit_past_the_budget(monkeypatch):
+  """With CHUNK_BYTES below one unit's buffers, every loop takes chunks of
+  one unit, and a chunk's own call one pass (a review: the one-unit chunk
+  chunked again, without end). Norms, sums and counts equal one pass."""
+  rng = np.random.default_rng(13)
+  units, length, vocab, dim = 3, 6, 5, 2
+  ids = tf.constant(rng.integers(0, vocab, (units, length)))
+  delta = tf.constant(rng.normal(size=(units, length, dim)), tf.float32)
+  pooled = tf.constant(np.repeat(rng.normal(size=(units, 1, dim)), length, 1),
+                       tf.float32)
+  weights = tf.constant([1.0, 0.5, 2.0], tf.float32)
+  run = tf.function(lambda: [
+      ghost.embedding_sq_norms(ids, delta, vocab),
+      ghost.embedding_sq_norms(ids, pooled, vocab),
+      ghost.embedding_grad(ids, delta, weights, vocab),
+      ghost.embedding_square_sum(ids, delta, weights, vocab),
+      tf.cast(ghost._first_counts(ids, None, vocab), tf.float64)],  # pylint: disable=protected-access
+                    jit_compile=True)
+  once = [t.numpy() for t in run()]
+  monkeypatch.setattr(unit_chunks, "CHUNK_BYTES", 1)
+  looped = [t.numpy() for t in tf.function(run.python_function,
+                                           jit_compile=True)()]
+  for a, b in zip(looped, once):
+    np.testing.assert_allclose(a, b, rtol=1e-12)
