@@ -533,15 +533,28 @@ def unit_chunking(request, monkeypatch):
   """Runs a test as written and with every per-unit loop of
   ``core.unit_chunks`` forced on static batches of 5 or more units: chunks
   of 4 (the last one filled with copies of the last unit), and one
-  float32 table per loop iteration (pooled embedding sums)."""
+  float32 table per loop iteration (pooled embedding sums). The forced run
+  must take a loop; a test parametrized with static=False skips it (U is
+  unknown when traced, no loop runs)."""
+  loops = []
   if request.param != "one pass":
+    spec = getattr(request.node, "callspec", None)
+    if spec is not None and spec.params.get("static") is False:
+      pytest.skip("U unknown when traced: no loop")
     monkeypatch.setattr(unit_chunks, "CHUNK_BYTES", 1)
     monkeypatch.setattr(
         unit_chunks, "chunk_size",
         lambda units, bytes_per_unit, shared_bytes=0, budget=None: (
             None if units is None or bytes_per_unit is None or units <= 4
             else 4))
-  return request.param
+    for name in ("map_chunks", "sum_chunks"):
+      original = getattr(unit_chunks, name)
+      monkeypatch.setattr(unit_chunks, name,
+                          lambda *a, f=original, **k: loops.append(1)
+                          or f(*a, **k))
+  yield request.param
+  # The forced run took a loop (a test that traced none checks nothing new).
+  assert request.param == "one pass" or loops
 
 
 def _embedding_sq_norms_reference(ids, delta, vocab):
@@ -563,8 +576,7 @@ def test_embedding_norms_of_pooled_gradients_by_counting(jit, padding, static,
   shortcut unconditionally (the fallback under a cond), an unknown one
   under conds; in one pass and over chunks of units (``unit_chunking``:
   static batches only, the loops need U)."""
-  if unit_chunking != "one pass" and not static:
-    pytest.skip("U unknown when traced: no loop")
+  del unit_chunking
   rng = np.random.default_rng(3)
   units, length, vocab, dim = 5, 12, 7, 3
   ids = rng.integers(0, vocab, (units, length))
@@ -696,8 +708,7 @@ def test_embedding_row_sums_by_first_position_and_by_sort(counters, static,
   XLA). In one pass and over chunks of units (``unit_chunking``: 4 + 2
   units, and 4 + 1 with the last unit's copies in the second chunk): a
   zero-weight unit whose rows are NaN adds nothing either way."""
-  if unit_chunking != "one pass" and not static:
-    pytest.skip("U unknown when traced: no loop")
+  del unit_chunking
   if counters == "do not fit":
     monkeypatch.setattr(ghost, "_MAX_COUNTERS", 8)
   rng = np.random.default_rng(11)
