@@ -10,6 +10,7 @@ import tensorflow as tf
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import kernels  # noqa: E402
 import noise_floor  # noqa: E402
 import suite  # noqa: E402
 
@@ -158,3 +159,23 @@ def test_noise_floor_adds_the_noise_it_claims_and_runs():
   assert [(r["model"], r["batch_size"]) for r in rows] == [("mlp", 16)]
   assert all(r[k] > 0 for r in rows for k in ("adam", "adam_noise",
                                                "dpadambc"))
+
+
+def test_kernel_groups_compare_ways_of_doing_one_job(capsys):
+  """benchmarks/kernels.py: each group's rows compute the same values (its
+  check fails on a row that does not, so a ratio never compares different
+  work), and the script prints every row with its ratio."""
+  found = kernels.groups([12], size=40)
+  for _, rows, inputs, rtol in found:
+    kernels.check(rows, inputs, rtol)
+  _, rows, inputs, rtol = found[0]
+  wrong = rows + [("twice the sum", lambda *t: 2.0 * rows[0][1](*t))]
+  with pytest.raises(AssertionError):
+    kernels.check(wrong, inputs, rtol)
+  assert kernels.main(["--batch-sizes", "12", "--rounds", "1", "--reps", "1",
+                       "--sampler-size", "40"]) == 0
+  out = capsys.readouterr().out
+  for name, rows, _, _ in found:
+    assert name in out
+    assert all(label in out for label, _ in rows)
+  assert out.count(" 1.00x") >= len(found)
