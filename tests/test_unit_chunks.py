@@ -67,3 +67,24 @@ def test_map_and_sum_over_chunks_equal_one_pass(jit, units, chunk):
   nan_total = unit_chunks.sum_chunks(weighted, (nan_x, nan_w), chunk,
                                      tf.zeros([4, 2], tf.float64))
   assert np.all(np.isfinite(nan_total.numpy()))
+
+
+@pytest.mark.parametrize("units,chunk", [(6, 3), (7, 3)])
+def test_a_tensor_of_unknown_shape_beside_static_units(units, chunk):
+  """U is the first tensor's static size; another tensor whose own leading
+  axis (weights traced as [None]) or row shape is unknown is gathered, not
+  sliced, and the sum is still the one-pass sum (a slice read its unknown
+  axis as U and failed to trace)."""
+  rng = np.random.default_rng(5)
+  x = tf.constant(rng.normal(size=(units, 3)), tf.float64)
+  w = rng.uniform(size=units)
+
+  def weighted(t, real):
+    keep = tf.where(real, t[1], tf.zeros_like(t[1]))
+    return tf.reduce_sum(t[0] * keep[:, None], 0)
+
+  total = tf.function(
+      lambda w: unit_chunks.sum_chunks(weighted, (x, w), chunk,
+                                       tf.zeros([3], tf.float64)),
+      input_signature=[tf.TensorSpec([None], tf.float64)])(w)
+  np.testing.assert_allclose(total.numpy(), w @ x.numpy(), rtol=1e-14)

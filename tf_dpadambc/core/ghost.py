@@ -1000,16 +1000,29 @@ def _sorted_sq_norms(ids, delta64, vocab_size, scale):
                                   tf.shape(ids)[:2]), 1)
 
 
+def _norms_over_chunks(fn, ids, delta, vocab_size):
+  """``fn(ids, δ)`` -> (‖∇E_u‖², bound) per unit, over chunks of units
+  (``unit_chunks.map_chunks``) where the units' copies of their rows and
+  counters (:func:`_segment_bytes`) would pass ``unit_chunks.CHUNK_BYTES``;
+  None where one pass stays within it. ``fn`` must compute each unit's
+  values from its own rows alone."""
+  chunk = unit_chunks.chunk_size(ids.shape[0], _segment_bytes(
+      ids.shape[1], delta.shape[2], vocab_size))
+  if chunk is None:
+    return None
+  return unit_chunks.map_chunks(lambda t: fn(t[0], t[1]), (ids, delta),
+                                chunk, _PER_UNIT_NORM)
+
+
 def _sorted_with_bound(ids, delta, vocab_size, scale):
   """(‖∇E_u‖² of :func:`_sorted_sq_norms`, Σ_t ‖δ_t‖), over chunks of units
   where their float64 copies of δ and counters would pass
   ``unit_chunks.CHUNK_BYTES`` (each unit's values from its own rows)."""
-  chunk = unit_chunks.chunk_size(ids.shape[0], _segment_bytes(
-      ids.shape[1], delta.shape[2], vocab_size))
-  if chunk is not None:
-    return unit_chunks.map_chunks(
-        lambda t: _sorted_with_bound(t[0], t[1], vocab_size, scale),
-        (ids, delta), chunk, _PER_UNIT_NORM)
+  chunked = _norms_over_chunks(
+      lambda i, d: _sorted_with_bound(i, d, vocab_size, scale), ids, delta,
+      vocab_size)
+  if chunked is not None:
+    return chunked
   delta64 = tf.cast(delta, tf.float64)
   bound = tf.reduce_sum(_row_norms(delta64), axis=1)  # Σ_t ‖δ_t‖
   if scale is not None:
@@ -1024,12 +1037,11 @@ def _masked_rows_with_bound(ids, delta, vocab_size):
   their copies would pass ``unit_chunks.CHUNK_BYTES`` (the check's
   [K, T, d] selects, the counters, the sorted path's rows), each chunk
   choosing for its own units: either way a unit's norm is its own."""
-  chunk = unit_chunks.chunk_size(ids.shape[0], _segment_bytes(
-      ids.shape[1], delta.shape[2], vocab_size))
-  if chunk is not None:
-    return unit_chunks.map_chunks(
-        lambda t: _masked_rows_with_bound(t[0], t[1], vocab_size),
-        (ids, delta), chunk, _PER_UNIT_NORM)
+  chunked = _norms_over_chunks(
+      lambda i, d: _masked_rows_with_bound(i, d, vocab_size), ids, delta,
+      vocab_size)
+  if chunked is not None:
+    return chunked
   pooled, g, nonzero = _one_row_per_unit(delta)
   return tf.cond(pooled,
                  lambda: _pooled_sq_norms(ids, g, nonzero, vocab_size),

@@ -50,11 +50,14 @@ def _rows(num_units, chunk, c):
 
 def _chunk(tensors, num_units, chunk, c):
   """(chunk c's rows of each of ``tensors``, which rows are real): a slice
-  where the chunks tile U exactly (XLA reads it in place), else a gather
-  of the rows, clamped to the last unit."""
+  where the chunks tile U exactly and the rows' shape is static (XLA reads
+  it in place), else a gather of the rows, clamped to the last unit. U is
+  the first tensor's (static); the others' leading axes may be unknown."""
   rows, real = _rows(num_units, chunk, c)
   take = lambda t: (tf.reshape(t, [-1, chunk] + t.shape[1:].as_list())[c]
-                    if t.shape[0] % chunk == 0 else tf.gather(t, rows))
+                    if num_units % chunk == 0
+                    and t.shape[1:].is_fully_defined()
+                    else tf.gather(t, rows))
   return tf.nest.map_structure(take, tensors), real
 
 
